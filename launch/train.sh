@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# Quickstart 1: train the embedded default (tiny model, arithmetic, SFT warm-start then GRPO) on CPU.
+# Extra arguments go to launch/train.py, e.g. --config=configs/grpo_arith.py:smoke --config.rl.beta=0.0
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+source "$ROOT/launch/env.sh"
+cd "$ROOT"
+if [[ " $* " != *" --config="* ]]; then
+  set -- --config=configs/grpo_arith.py "$@"
+fi
+exec python -m launch.train "$@"
