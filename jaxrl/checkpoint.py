@@ -1,0 +1,226 @@
+"""Checkpointing of the training-state pytree plus a JSON side-car, on orbax CheckpointManager."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+
+# How many offending leaves a mismatch error lists per category before eliding the rest.
+_MAX_LISTED = 10
+
+
+class CheckpointError(ValueError):
+  """A checkpoint on disk cannot be restored into the requested target."""
+
+
+class Checkpointer:
+  """Saves and restores `(state, meta)` pairs under `directory/<step>/`.
+
+  `state` is any pytree of arrays (nnx.State, optax states, raw or typed PRNG keys);
+  `meta` is a JSON-serialisable dict (data-iterator position, phase name, ...). Orbax
+  writes each step into a temporary directory and renames it on commit, so a crash or
+  error mid-save never leaves a step that `latest_step()` or `restore()` can see.
+
+  Saves are asynchronous by default: `save` returns once device arrays are copied to
+  host (so the caller may donate or overwrite them), and the disk write finishes in the
+  background. `wait()` blocks until it is committed; `latest_step`, `restore` and `close`
+  wait first, and a failed background write raises from whichever of them runs next.
+  """
+
+  def __init__(
+    self,
+    directory: str | os.PathLike,
+    *,
+    max_to_keep: int | None = 3,
+    save_every: int = 1,
+    async_save: bool = True,
+  ):
+    if save_every < 1:
+      raise ValueError(f"save_every must be >= 1, got {save_every}")
+    if max_to_keep is not None and max_to_keep < 1:
+      raise ValueError(f"max_to_keep must be >= 1 or None (keep all), got {max_to_keep}")
+    self.directory = Path(directory).absolute()
+    self.save_every = save_every
+    options = ocp.CheckpointManagerOptions(
+      max_to_keep=max_to_keep,
+      create=True,
+      # Removes `<step>.orbax-checkpoint-tmp` leftovers of a crashed save when a run resumes.
+      cleanup_tmp_directories=True,
+      enable_async_checkpointing=async_save,
+    )
+    # Explicit handlers so that a fresh manager (a resumed run) can read item metadata
+    # before anything has been saved or restored through it.
+    self._manager = ocp.CheckpointManager(
+      self.directory,
+      options=options,
+      item_handlers={"state": ocp.StandardCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()},
+    )
+    self._closed = False
+
+  def save(self, step: int, state: Any, meta: dict, *, force: bool = False) -> bool:
+    """Saves `state` and `meta` as `step`; returns whether a save was started.
+
+    Saves only when `step % save_every == 0` or `force`. A step that is already on disk is
+    not overwritten (returns False): a forced final save right after a periodic one is a no-op.
+    """
+    self._check_open()
+    step = int(step)
+    if not force and step % self.save_every != 0:
+      return False
+    try:
+      json.dumps(meta)
+    except (TypeError, ValueError) as e:
+      raise TypeError(f"checkpoint meta must be JSON-serialisable, got {meta!r}: {e}") from e
+    self.wait()
+    if step in self._manager.all_steps():
+      return False
+    # `force=True` because the save_every decision is ours; orbax's own interval policy
+    # would otherwise skip steps it did not expect.
+    return bool(
+      self._manager.save(
+        step,
+        args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)),
+        force=True,
+      )
+    )
+
+  def wait(self) -> None:
+    """Blocks until any in-flight save is committed; re-raises its error if it failed."""
+    self._manager.wait_until_finished()
+
+  def all_steps(self) -> list[int]:
+    """All committed steps, ascending."""
+    self.wait()
+    return sorted(self._manager.all_steps())
+
+  def latest_step(self) -> int | None:
+    """The newest committed step, or None if there is none."""
+    self.wait()
+    return self._manager.latest_step()
+
+  def restore(self, step: int | None, abstract_state: Any) -> tuple[Any, dict]:
+    """Restores `(state, meta)` of `step` (None: the latest) into `abstract_state`'s layout.
+
+    `abstract_state` is a pytree of `jax.ShapeDtypeStruct` (with `.sharding`) or of real
+    arrays; restored arrays take its tree type, shapes and shardings. Dtypes follow the
+    target too (orbax casts), so a float32 checkpoint can be loaded as bfloat16.
+    """
+    self._check_open()
+    steps = self.all_steps()
+    if step is None:
+      if not steps:
+        raise FileNotFoundError(f"no checkpoint to restore in {self.directory}")
+      step = steps[-1]
+    elif int(step) not in steps:
+      raise FileNotFoundError(
+        f"no checkpoint for step {step} in {self.directory}; available steps: {steps or 'none'}"
+      )
+    step = int(step)
+    step_dir = self.directory / str(step)
+    target = jax.tree.map(_as_abstract, abstract_state)
+    try:
+      saved = self._manager.item_metadata(step).state
+    except Exception as e:
+      raise CheckpointError(f"cannot read checkpoint metadata in {step_dir}: {e}") from e
+    if saved is None:
+      raise CheckpointError(f"checkpoint {step_dir} has no readable 'state' item")
+    problems = _describe_mismatch(getattr(saved, "tree", saved), target)
+    if problems:
+      raise CheckpointError(
+        f"checkpoint {step_dir} does not match the restore target:\n" + "\n".join(problems)
+      )
+    try:
+      restored = self._manager.restore(
+        step,
+        args=ocp.args.Composite(
+          state=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore()
+        ),
+      )
+    except Exception as e:
+      # Whatever the structural check above could not see: missing or corrupt array data.
+      raise CheckpointError(f"cannot restore checkpoint {step_dir}: {e}") from e
+    return restored.state, restored.meta
+
+  def close(self) -> None:
+    """Waits for in-flight saves and releases orbax's threads; safe to call twice."""
+    if self._closed:
+      return
+    self._closed = True
+    self._manager.close()
+
+  def __enter__(self) -> Checkpointer:
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self.close()
+
+  def _check_open(self) -> None:
+    if self._closed:
+      raise RuntimeError(f"Checkpointer for {self.directory} is closed")
+
+
+def _as_abstract(x: Any) -> Any:
+  # Real arrays become ShapeDtypeStructs carrying their sharding, so restored arrays land
+  # exactly where the caller's live arrays are.
+  if isinstance(x, jax.Array):
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+  return x
+
+
+def _path_str(path: tuple) -> str:
+  parts = []
+  for k in path:
+    if isinstance(k, jax.tree_util.DictKey):
+      parts.append(str(k.key))
+    elif isinstance(k, jax.tree_util.GetAttrKey):
+      parts.append(k.name)
+    elif isinstance(k, jax.tree_util.SequenceKey):
+      parts.append(str(k.idx))
+    elif isinstance(k, jax.tree_util.FlattenedIndexKey):
+      parts.append(str(k.key))
+    else:
+      parts.append(str(k))
+  return "/".join(parts)
+
+
+def _stored_shape(x: Any) -> tuple[int, ...] | None:
+  # Typed PRNG keys are stored as their uint32 key data, which has trailing key dims.
+  dtype = getattr(x, "dtype", None)
+  if dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+    return tuple(jax.eval_shape(jax.random.key_data, x).shape)
+  shape = getattr(x, "shape", None)
+  return tuple(shape) if shape is not None else tuple(np.shape(x))
+
+
+def _describe_mismatch(saved_tree: Any, target: Any) -> list[str]:
+  """Lists leaves missing on either side and shape differences; empty if they agree.
+
+  Paths are compared as strings because orbax's metadata tree turns NamedTuples and
+  nnx.Variables into plain dicts, so the treedefs themselves never match.
+  """
+  saved = {_path_str(p): leaf for p, leaf in jax.tree_util.tree_flatten_with_path(saved_tree)[0]}
+  wanted = {_path_str(p): leaf for p, leaf in jax.tree_util.tree_flatten_with_path(target)[0]}
+  problems = []
+
+  def listing(title: str, items: list[str]) -> None:
+    if items:
+      shown = items[:_MAX_LISTED]
+      more = f" (and {len(items) - len(shown)} more)" if len(items) > len(shown) else ""
+      problems.append(f"  {title}: " + ", ".join(shown) + more)
+
+  listing("in target but not in checkpoint", sorted(wanted.keys() - saved.keys()))
+  listing("in checkpoint but not in target", sorted(saved.keys() - wanted.keys()))
+  shapes = []
+  for key in sorted(wanted.keys() & saved.keys()):
+    saved_shape = getattr(saved[key], "shape", None)
+    want_shape = _stored_shape(wanted[key])
+    if saved_shape is not None and tuple(saved_shape) != want_shape:
+      shapes.append(f"{key} (checkpoint {tuple(saved_shape)} vs target {want_shape})")
+  listing("shape differs", shapes)
+  return problems

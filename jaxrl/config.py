@@ -1,0 +1,212 @@
+"""Typed, validated views of ml_collections ConfigDicts: a bad value names its field and range."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import types
+import typing
+from typing import Any
+
+
+class ConfigError(ValueError):
+  """A config value is missing, unknown, of the wrong type or out of range."""
+
+
+def check(cond: bool, field: str, value, allowed: str) -> None:
+  if not cond:
+    raise ConfigError(f"config.{field}={value!r} is invalid; allowed: {allowed}")
+
+
+def _field(default, *, lo=None, hi=None, lo_open=False, choices=None, help=""):
+  meta = {"lo": lo, "hi": hi, "lo_open": lo_open, "choices": choices, "help": help}
+  if isinstance(default, list | dict):
+    return dataclasses.field(default_factory=lambda: default, metadata=meta)
+  return dataclasses.field(default=default, metadata=meta)
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+  data: int = _field(1, help="-1 = all remaining devices")
+  fsdp: int = _field(-1)
+  tensor: int = _field(1)
+  rules: str = _field("fsdp_tp", choices=("fsdp_tp", "replicated"))
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSection:
+  preset: str = _field("arith_small")
+  dtype: str = _field("float32", choices=("float32", "bfloat16"))
+
+
+@dataclasses.dataclass(frozen=True)
+class TaskConfig:
+  name: str = _field("arithmetic", choices=("arithmetic",))
+  max_digits: int = _field(2, lo=1, hi=9)
+  ops: str = _field("+-", help="characters from '+-*'")
+  held_out_fraction: float = _field(0.1, lo=0.0, hi=1.0, lo_open=True)
+  allow_negative: bool = _field(False)
+
+
+@dataclasses.dataclass(frozen=True)
+class RewardConfig:
+  name: str = _field("exact_match")
+  on_error: str = _field("raise", choices=("raise", "zero"))
+
+
+@dataclasses.dataclass(frozen=True)
+class SFTConfig:
+  steps: int = _field(300, lo=0)
+  batch_size: int = _field(64, lo=1)
+  learning_rate: float = _field(1e-3, lo=0.0, lo_open=True)
+  warmup_steps: int = _field(20, lo=0)
+  weight_decay: float = _field(0.0, lo=0.0)
+  num_microbatches: int = _field(1, lo=1)
+
+
+@dataclasses.dataclass(frozen=True)
+class RLConfig:
+  steps: int = _field(100, lo=1)
+  prompts_per_step: int = _field(16, lo=1)
+  group_size: int = _field(8, lo=2, help="GRPO needs >= 2 samples per prompt")
+  max_prompt_len: int = _field(16, lo=1)
+  max_new_tokens: int = _field(8, lo=1)
+  temperature: float = _field(1.0, lo=0.0, lo_open=True)
+  top_k: int = _field(0, lo=0)
+  top_p: float = _field(1.0, lo=0.0, hi=1.0, lo_open=True)
+  advantage: str = _field("grpo", choices=("grpo",))
+  scale_by_std: bool = _field(True)
+  policy_loss: str = _field("ppo_clip", choices=("ppo_clip",))
+  loss_aggregation: str = _field("token-mean", choices=("token-mean",))
+  eps_low: float = _field(0.2, lo=0.0, hi=1.0, lo_open=True)
+  eps_high: float = _field(0.2, lo=0.0, lo_open=True)
+  beta: float = _field(0.0, lo=0.0)
+  kl_estimator: str = _field("k3", choices=("k1", "k2", "k3"))
+  learning_rate: float = _field(1e-4, lo=0.0, lo_open=True)
+  lr_schedule: str = _field("constant", choices=("constant", "cosine"))
+  warmup_steps: int = _field(5, lo=0)
+  weight_decay: float = _field(0.0, lo=0.0)
+  b2: float = _field(0.999, lo=0.0, hi=1.0, lo_open=True)
+  grad_clip: float = _field(1.0, lo=0.0)
+  num_microbatches: int = _field(1, lo=1)
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalConfig:
+  every: int = _field(10, lo=0, help="0 = only before and after RL")
+  num_examples: int = _field(256, lo=1)
+  batch_size: int = _field(128, lo=1)
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointConfig:
+  every: int = _field(25, lo=1)
+  max_to_keep: int = _field(2, lo=1)
+
+
+@dataclasses.dataclass(frozen=True)
+class LogConfig:
+  progress: bool = _field(True)
+  tensorboard: bool = _field(True)
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+  seed: int = _field(0, lo=0)
+  workdir: str = _field("runs/grpo_arith")
+  resume: bool = _field(True, help="continue from the latest checkpoint in workdir if any")
+  mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
+  model: ModelSection = dataclasses.field(default_factory=ModelSection)
+  task: TaskConfig = dataclasses.field(default_factory=TaskConfig)
+  reward: RewardConfig = dataclasses.field(default_factory=RewardConfig)
+  sft: SFTConfig = dataclasses.field(default_factory=SFTConfig)
+  rl: RLConfig = dataclasses.field(default_factory=RLConfig)
+  eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
+  checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
+  log: LogConfig = dataclasses.field(default_factory=LogConfig)
+
+
+def _to_dict(cfg) -> dict:
+  if hasattr(cfg, "to_dict"):
+    return cfg.to_dict()
+  if dataclasses.is_dataclass(cfg):
+    return dataclasses.asdict(cfg)
+  return dict(cfg)
+
+
+def _convert(cls, raw: dict, prefix: str):
+  hints = typing.get_type_hints(cls)
+  names = {f.name: f for f in dataclasses.fields(cls)}
+  unknown = sorted(set(raw) - set(names))
+  if unknown:
+    where = f"config.{prefix}" if prefix else "config"
+    raise ConfigError(
+      f"unknown field(s) {', '.join(f'{where}.{u}'.strip('.') for u in unknown)}; "
+      f"valid fields of {where}: {sorted(names)}"
+    )
+  kwargs = {}
+  for name, f in names.items():
+    path = f"{prefix}.{name}" if prefix else name
+    typ = hints[name]
+    if name not in raw:
+      continue
+    value = raw[name]
+    if dataclasses.is_dataclass(typ):
+      if not isinstance(value, dict):
+        raise ConfigError(f"config.{path} must be a section (dict), got {value!r}")
+      kwargs[name] = _convert(typ, value, path)
+      continue
+    kwargs[name] = _check_value(path, value, typ, f.metadata)
+  return cls(**kwargs)
+
+
+def _check_value(path: str, value: Any, typ, meta) -> Any:
+  if isinstance(typ, types.UnionType):
+    typ = next(t for t in typing.get_args(typ) if t is not type(None))
+  if typ is float and isinstance(value, int) and not isinstance(value, bool):
+    value = float(value)
+  ok = isinstance(value, typ) and not (typ is int and isinstance(value, bool))
+  if not ok:
+    raise ConfigError(f"config.{path} must be {typ.__name__}, got {type(value).__name__} {value!r}")
+  if typ is float and not math.isfinite(value):
+    raise ConfigError(f"config.{path} must be finite, got {value!r}")
+  lo, hi, lo_open, choices = (
+    meta.get("lo"),
+    meta.get("hi"),
+    meta.get("lo_open"),
+    meta.get("choices"),
+  )
+  if choices is not None and value not in choices:
+    raise ConfigError(f"config.{path}={value!r} is invalid; allowed: {list(choices)}")
+  if lo is not None and (value < lo or (lo_open and value == lo)):
+    bound = f"> {lo}" if lo_open else f">= {lo}"
+    raise ConfigError(f"config.{path}={value!r} is out of range; must be {bound}")
+  if hi is not None and value > hi:
+    raise ConfigError(f"config.{path}={value!r} is out of range; must be <= {hi}")
+  return value
+
+
+def validate(cfg) -> Config:
+  """Turn a ConfigDict (or dict) into a validated `Config`; raise `ConfigError` naming the field."""
+  c = _convert(Config, _to_dict(cfg), "")
+  # Cross-field checks.
+  check(
+    set(c.task.ops) <= set("+-*") and c.task.ops != "", "task.ops", c.task.ops, "chars of '+-*'"
+  )
+  b_rl = c.rl.prompts_per_step * c.rl.group_size
+  check(
+    b_rl % c.rl.num_microbatches == 0,
+    "rl.num_microbatches",
+    c.rl.num_microbatches,
+    f"a divisor of rl.prompts_per_step * rl.group_size = {b_rl}",
+  )
+  check(
+    c.sft.batch_size % c.sft.num_microbatches == 0,
+    "sft.num_microbatches",
+    c.sft.num_microbatches,
+    f"a divisor of sft.batch_size = {c.sft.batch_size}",
+  )
+  for name in ("data", "fsdp", "tensor"):
+    v = getattr(c.mesh, name)
+    check(v == -1 or v >= 1, f"mesh.{name}", v, "-1 (all remaining devices) or >= 1")
+  return c

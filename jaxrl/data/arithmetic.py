@@ -1,0 +1,235 @@
+"""Synthetic verifiable arithmetic task ("12+34=" -> "46") with a fixed held-out split."""
+
+import dataclasses
+import hashlib
+from typing import Any, Literal
+
+import grain
+import numpy as np
+
+Record = dict[str, Any]
+Split = Literal["train", "held_out"]
+
+_ALLOWED_OPS = ("+", "-", "*")
+_NUM_BUCKETS = 10_000
+# Rejection sampling gives up after this many draws: a split whose probability under the
+# sampling distribution is below ~1e-3 is effectively empty and better reported than spun on.
+_MAX_ATTEMPTS = 10_000
+# Up to this many digits the whole problem space (<= 3 * 10**4 operand pairs) is cheap to
+# enumerate, which makes held_out() exact: it can say how many held-out problems exist and
+# draw all of them without a coupon-collector wait.
+_ENUMERATE_MAX_DIGITS = 2
+# Records are generated from `default_rng([seed, i])`; 2**40 indices is "infinite" for training.
+_TRAIN_INDEX_SPACE = 2**40
+
+
+def _digit_range(digits: int) -> tuple[int, int]:
+  """Inclusive range of the non-negative integers written with exactly `digits` digits."""
+  if digits == 1:
+    return 0, 9
+  return 10 ** (digits - 1), 10**digits - 1
+
+
+def _bucket(a: int, op: str, b: int) -> int:
+  """Stable hash bucket of a problem; blake2b, not hash(), so it survives PYTHONHASHSEED."""
+  digest = hashlib.blake2b(f"{a}{op}{b}".encode(), digest_size=8).digest()
+  return int.from_bytes(digest, "big") % _NUM_BUCKETS
+
+
+def _evaluate(a: int, op: str, b: int) -> int:
+  if op == "+":
+    return a + b
+  if op == "-":
+    return a - b
+  return a * b
+
+
+@dataclasses.dataclass(frozen=True)
+class ArithmeticTask:
+  """Integer `a op b` problems; the model must complete the prompt with exactly the answer.
+
+  A record is `{"prompt": "12+34=", "answer": "46", "a": 12, "b": 34, "op": "+"}` (no
+  spaces; the answer may start with "-" when `allow_negative`). The target completion is the
+  answer string; EOS is appended by the tokenizer / rollout loop, not here.
+
+  The held-out split depends only on the problem `(a, op, b)` and `held_out_fraction`, never on
+  `max_digits` or `ops`, so a problem held out at one difficulty is held out at every other,
+  and raising `held_out_fraction` only adds problems to the held-out set.
+
+  Attributes:
+    max_digits: operands have 1..max_digits digits (1..9); this sets the difficulty.
+    ops: operators to draw from, a non-empty subset of ('+', '-', '*').
+    held_out_fraction: fraction of problems (by stable hash) reserved for evaluation, in (0, 1).
+    allow_negative: for '-', when False the operands are swapped so the result is >= 0.
+  """
+
+  max_digits: int = 2
+  ops: tuple[str, ...] = ("+", "-")
+  held_out_fraction: float = 0.1
+  allow_negative: bool = False
+
+  def __post_init__(self):
+    if isinstance(self.max_digits, bool) or not isinstance(self.max_digits, int):
+      raise ValueError(f"max_digits must be an int in 1..9, got {self.max_digits!r}")
+    if not 1 <= self.max_digits <= 9:
+      raise ValueError(f"max_digits must be in 1..9, got {self.max_digits}")
+    if isinstance(self.ops, str) or not isinstance(self.ops, tuple | list):
+      raise ValueError(f"ops must be a tuple of operators from {_ALLOWED_OPS}, got {self.ops!r}")
+    if not self.ops:
+      raise ValueError(f"ops must be a non-empty subset of {_ALLOWED_OPS}, got ()")
+    bad = [op for op in self.ops if op not in _ALLOWED_OPS]
+    if bad:
+      raise ValueError(f"ops must be a subset of {_ALLOWED_OPS}, got unknown {bad}")
+    if len(set(self.ops)) != len(self.ops):
+      raise ValueError(f"ops must not repeat an operator, got {self.ops}")
+    # A list from a config would make the frozen dataclass unhashable.
+    object.__setattr__(self, "ops", tuple(self.ops))
+    if not isinstance(self.held_out_fraction, int | float) or not (
+      0.0 < self.held_out_fraction < 1.0
+    ):
+      raise ValueError(
+        f"held_out_fraction must be a float in (0, 1) exclusive, got {self.held_out_fraction!r}"
+      )
+    if not isinstance(self.allow_negative, bool):
+      raise ValueError(f"allow_negative must be a bool, got {self.allow_negative!r}")
+
+  # ---------------------------------------------------------------------------------- problems
+
+  def is_held_out(self, a: int, op: str, b: int) -> bool:
+    """Whether problem `a op b` (as shown in the prompt) belongs to the held-out split."""
+    return _bucket(a, op, b) < self.held_out_fraction * _NUM_BUCKETS
+
+  def record(self, a: int, op: str, b: int) -> Record:
+    """The record for problem `a op b`."""
+    a, b = int(a), int(b)
+    return {
+      "prompt": f"{a}{op}{b}=",
+      "answer": str(_evaluate(a, op, b)),
+      "a": a,
+      "b": b,
+      "op": op,
+    }
+
+  def sft_completion(self, record: Record) -> str:
+    """The exact completion (without EOS) a model should produce for `record`."""
+    return record["answer"]
+
+  def _draw_operand(self, rng: np.random.Generator) -> int:
+    # Digit count first, then the value: uniform values would make almost every operand
+    # max_digits long and leave the easy problems unseen.
+    lo, hi = _digit_range(int(rng.integers(1, self.max_digits + 1)))
+    return int(rng.integers(lo, hi + 1))
+
+  def _draw(self, rng: np.random.Generator) -> tuple[int, str, int]:
+    op = self.ops[int(rng.integers(len(self.ops)))]
+    a = self._draw_operand(rng)
+    b = self._draw_operand(rng)
+    if op == "-" and not self.allow_negative and a < b:
+      a, b = b, a
+    return a, op, b
+
+  def sample(self, rng: np.random.Generator, *, split: Split = "train") -> Record:
+    """Draws one problem of `split` (rejection sampling on the held-out predicate).
+
+    Each operand's digit count is uniform in 1..max_digits and its value uniform among the
+    numbers with that many digits; the operator is uniform over `ops`.
+    """
+    if split not in ("train", "held_out"):
+      raise ValueError(f"split must be 'train' or 'held_out', got {split!r}")
+    want_held_out = split == "held_out"
+    for _ in range(_MAX_ATTEMPTS):
+      a, op, b = self._draw(rng)
+      if self.is_held_out(a, op, b) == want_held_out:
+        return self.record(a, op, b)
+    raise ValueError(
+      f"no {split!r} problem found in {_MAX_ATTEMPTS} draws: held_out_fraction="
+      f"{self.held_out_fraction} leaves the {split!r} split (nearly) empty for "
+      f"max_digits={self.max_digits}, ops={self.ops}"
+    )
+
+  # ------------------------------------------------------------------------------------ splits
+
+  def _held_out_problems(self) -> tuple[list[tuple[int, str, int]], np.ndarray]:
+    """Every distinct held-out problem and its probability under `_draw` (small spaces only)."""
+    operand_p = np.empty(10**self.max_digits)
+    for digits in range(1, self.max_digits + 1):
+      lo, hi = _digit_range(digits)
+      operand_p[lo : hi + 1] = 1.0 / (self.max_digits * (hi - lo + 1))
+    probs: dict[tuple[int, str, int], float] = {}
+    for op in self.ops:
+      for a in range(operand_p.size):
+        for b in range(operand_p.size):
+          problem = (a, op, b)
+          if op == "-" and not self.allow_negative and a < b:
+            problem = (b, op, a)
+          if self.is_held_out(*problem):
+            probs[problem] = probs.get(problem, 0.0) + operand_p[a] * operand_p[b] / len(self.ops)
+    return list(probs), np.array(list(probs.values()))
+
+  def held_out(self, n: int, seed: int = 0) -> list[Record]:
+    """`n` distinct held-out records, deterministic for `seed`.
+
+    Problems are drawn without replacement in proportion to `sample`'s distribution, so the
+    evaluation set has the same difficulty mix as training.
+    """
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+      raise ValueError(f"n must be a non-negative int, got {n!r}")
+    # The trailing tag keeps this stream apart from the training stream default_rng([seed, i]).
+    rng = np.random.default_rng([seed, _TRAIN_INDEX_SPACE])
+    if self.max_digits <= _ENUMERATE_MAX_DIGITS:
+      problems, p = self._held_out_problems()
+      if n > len(problems):
+        raise ValueError(
+          f"asked for n={n} held-out problems but only {len(problems)} distinct ones exist for "
+          f"max_digits={self.max_digits}, ops={self.ops}, "
+          f"held_out_fraction={self.held_out_fraction}; lower n or raise one of those"
+        )
+      if n == 0:
+        return []
+      idx = rng.choice(len(problems), size=n, replace=False, p=p / p.sum())
+      return [self.record(*problems[i]) for i in idx]
+
+    seen: set[str] = set()
+    records = []
+    # Big spaces hold >= ~5e5 problems per operator, so collisions are rare and this cap is
+    # only reached when the held-out split is genuinely too small for n.
+    for _ in range(100 * n + _MAX_ATTEMPTS):
+      if len(records) == n:
+        return records
+      record = self.sample(rng, split="held_out")
+      if record["prompt"] not in seen:
+        seen.add(record["prompt"])
+        records.append(record)
+    if len(records) == n:
+      return records
+    raise ValueError(
+      f"asked for n={n} held-out problems but found only {len(records)} distinct ones for "
+      f"max_digits={self.max_digits}, ops={self.ops}, held_out_fraction={self.held_out_fraction}"
+    )
+
+  def train_dataset(self, *, seed: int, batch_size: int) -> grain.IterDataset:
+    """An effectively infinite, checkpointable stream of training batches.
+
+    Each element is a LIST of `batch_size` record dicts. Record `i` (counting across batches)
+    is `sample(np.random.default_rng([seed, i]), split="train")`, so it depends only on
+    `(seed, i)` and never on the iteration history.
+
+    `iter(ds).get_state()` is grain's `{"next_index": k}`, a plain dict of ints (JSON-ready as
+    is) where `k` counts BATCHES already returned. Resume with `it.set_state(state)` on a fresh
+    iterator from a dataset built with the same `seed` and `batch_size`: with another
+    batch_size the same state points at different records.
+    """
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+      raise ValueError(f"seed must be a non-negative int, got {seed!r}")
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+      raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+
+    def make_record(i: int) -> Record:
+      return self.sample(np.random.default_rng([seed, int(i)]), split="train")
+
+    dataset = (
+      grain.MapDataset.range(_TRAIN_INDEX_SPACE).map(make_record).batch(batch_size, batch_fn=list)
+    )
+    # Generation is pure Python and in memory: prefetch threads would only fight over the GIL
+    # (grain's default is 16 threads eagerly filling a 500-batch buffer).
+    return dataset.to_iter_dataset(grain.ReadOptions(num_threads=0, prefetch_buffer_size=0))

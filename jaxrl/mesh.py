@@ -1,0 +1,300 @@
+"""Device mesh, logical-axis rules tables, and helpers that shard params and activations."""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import math
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import jax
+from flax import nnx
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+MESH_AXES = ("data", "fsdp", "tensor")
+
+# A rules table maps logical axis names to mesh axes: None (replicated), one mesh axis, or a tuple
+# of mesh axes. A name may appear more than once; the first entry that fits is used (see
+# `logical_to_spec`).
+MeshAxes = str | tuple[str, ...] | None
+Rules = tuple[tuple[str, MeshAxes], ...]
+
+_BATCH = ("data", "fsdp")
+
+RULES: dict[str, Rules] = {
+  # FSDP over the model dim, Megatron-style tensor parallelism over heads / mlp / vocab. With
+  # tensor=1 this is plain FSDP; with fsdp=1 plain tensor parallelism.
+  "fsdp_tp": (
+    ("batch", _BATCH),
+    ("vocab", "tensor"),
+    ("embed", "fsdp"),
+    ("q_heads", "tensor"),
+    ("kv_heads", "tensor"),
+    ("mlp", "tensor"),
+    ("head_dim", None),
+    ("norm", None),
+    ("experts", None),
+    ("layers", None),
+    ("length", None),
+    ("act_embed", None),
+    ("act_heads", "tensor"),
+    ("act_kv_heads", "tensor"),
+    ("act_head_dim", None),
+    ("act_mlp", "tensor"),
+    ("act_vocab", "tensor"),
+  ),
+  # Every weight on every device; only the batch is split (pure data parallelism).
+  "replicated": (
+    ("batch", _BATCH),
+    ("vocab", None),
+    ("embed", None),
+    ("q_heads", None),
+    ("kv_heads", None),
+    ("mlp", None),
+    ("head_dim", None),
+    ("norm", None),
+    ("experts", None),
+    ("layers", None),
+    ("length", None),
+    ("act_embed", None),
+    ("act_heads", None),
+    ("act_kv_heads", None),
+    ("act_head_dim", None),
+    ("act_mlp", None),
+    ("act_vocab", None),
+  ),
+}
+
+
+def get_rules(name: str) -> Rules:
+  """Returns the rules table registered under `name`."""
+  if name not in RULES:
+    raise ValueError(f"unknown sharding rules {name!r}; valid names: {sorted(RULES)}")
+  return RULES[name]
+
+
+def _as_rules(rules: Rules | str) -> Rules:
+  return get_rules(rules) if isinstance(rules, str) else rules
+
+
+def make_mesh(
+  data: int = 1, fsdp: int = -1, tensor: int = 1, *, devices: Sequence[Any] | None = None
+) -> Mesh:
+  """Builds a ('data', 'fsdp', 'tensor') mesh; one size may be -1, meaning all remaining devices."""
+  devices = list(jax.devices() if devices is None else devices)
+  n = len(devices)
+  sizes = {"data": data, "fsdp": fsdp, "tensor": tensor}
+  for name, size in sizes.items():
+    if not isinstance(size, int) or (size < 1 and size != -1):
+      raise ValueError(
+        f"mesh.{name}={size!r} must be a positive integer or -1 (all remaining devices); "
+        f"there are {n} devices"
+      )
+  inferred = [name for name, size in sizes.items() if size == -1]
+  if len(inferred) > 1:
+    fields = ", ".join(f"mesh.{name}" for name in inferred)
+    raise ValueError(f"only one mesh size may be -1, got {fields}; there are {n} devices")
+  if inferred:
+    name = inferred[0]
+    rest = math.prod(size for size in sizes.values() if size != -1)
+    if n % rest:
+      raise ValueError(
+        f"mesh.{name}=-1 cannot be inferred: the other sizes multiply to {rest}, "
+        f"which does not divide the {n} devices"
+      )
+    sizes[name] = n // rest
+  if math.prod(sizes.values()) != n:
+    shown = " * ".join(f"mesh.{name}={size}" for name, size in sizes.items())
+    raise ValueError(f"{shown} = {math.prod(sizes.values())} must equal the {n} devices")
+  # jax 0.10 defaults to Explicit axes, which would make every op sharding-typed; Auto lets GSPMD
+  # propagate shardings from the few constraints we place.
+  return jax.make_mesh(
+    tuple(sizes.values()),
+    MESH_AXES,
+    axis_types=(AxisType.Auto,) * len(MESH_AXES),
+    devices=devices,
+  )
+
+
+def _axis_tuple(mesh_axes: MeshAxes) -> tuple[str, ...]:
+  if mesh_axes is None:
+    return ()
+  return (mesh_axes,) if isinstance(mesh_axes, str) else tuple(mesh_axes)
+
+
+def logical_to_spec(
+  axes: Sequence[str | None],
+  rules: Rules | str,
+  *,
+  shape: Sequence[int] | None = None,
+  mesh: Mesh | jax.sharding.AbstractMesh | None = None,
+  fallbacks: list[str] | None = None,
+) -> P:
+  """Maps logical axis names to a PartitionSpec through `rules`.
+
+  For each dim, the first rules entry for its name whose mesh axes are all unused by earlier dims
+  (and, given `shape` and `mesh`, divide the dim) wins; if none fits the dim is replicated. Each dim
+  that loses its first choice this way is described in `fallbacks`, when a list is passed.
+  """
+  rules = _as_rules(rules)
+  if shape is not None and len(shape) != len(axes):
+    raise ValueError(f"logical axes {tuple(axes)} do not match shape {tuple(shape)}")
+  mesh_sizes = dict(mesh.shape) if mesh is not None else None
+  used: set[str] = set()
+  spec: list[MeshAxes] = []
+  for dim, name in enumerate(axes):
+    if name is None:
+      spec.append(None)
+      continue
+    candidates = [_axis_tuple(mesh_axes) for logical, mesh_axes in rules if logical == name]
+    if not candidates:
+      known = sorted({logical for logical, _ in rules})
+      raise ValueError(f"logical axis {name!r} has no sharding rule; known names: {known}")
+    chosen: tuple[str, ...] = ()
+    reasons = []
+    for cand in candidates:
+      if mesh_sizes is not None:
+        missing = [a for a in cand if a not in mesh_sizes]
+        if missing:
+          raise ValueError(
+            f"logical axis {name!r} maps to mesh axes {missing} not in the mesh {tuple(mesh_sizes)}"
+          )
+      if used.intersection(cand):
+        reasons.append(f"{'+'.join(cand)} already used by an earlier dim")
+        continue
+      if shape is not None and mesh_sizes is not None:
+        ways = math.prod(mesh_sizes[a] for a in cand)
+        if shape[dim] % ways:
+          reasons.append(f"size {shape[dim]} not divisible by {'+'.join(cand)}={ways}")
+          continue
+      chosen = cand
+      break
+    if reasons and fallbacks is not None:
+      got = "+".join(chosen) if chosen else "replicated"
+      fallbacks.append(f"dim {dim} {name!r} -> {got}: {'; '.join(reasons)}")
+    used.update(chosen)
+    spec.append(None if not chosen else chosen[0] if len(chosen) == 1 else chosen)
+  return P(*spec)
+
+
+def named_sharding(
+  mesh: Mesh, axes: Sequence[str | None], rules: Rules | str, *, shape: Sequence[int] | None = None
+) -> NamedSharding:
+  """The NamedSharding for an array with logical `axes` (e.g. a batch going into a jitted step)."""
+  return NamedSharding(mesh, logical_to_spec(axes, rules, shape=shape, mesh=mesh))
+
+
+def _is_variable(x: Any) -> bool:
+  return isinstance(x, nnx.Variable)
+
+
+def _leaf_value_and_axes(leaf: Any) -> tuple[Any, tuple[str | None, ...] | None]:
+  if isinstance(leaf, nnx.Variable):
+    return leaf.get_value(), leaf.get_metadata().get("axes")
+  return leaf, None
+
+
+def _leaf_spec(leaf: Any, mesh: Mesh, rules: Rules, path: str, fallbacks: list[str] | None) -> P:
+  value, axes = _leaf_value_and_axes(leaf)
+  if axes is None:
+    return P()
+  shape = tuple(value.shape)
+  if len(axes) != len(shape):
+    raise ValueError(f"param {path}: logical axes {tuple(axes)} do not match shape {shape}")
+  return logical_to_spec(axes, rules, shape=shape, mesh=mesh, fallbacks=fallbacks)
+
+
+def _path_str(path: tuple[Any, ...]) -> str:
+  parts = []
+  for key in path:
+    for attr in ("key", "idx", "name"):
+      if hasattr(key, attr):
+        parts.append(str(getattr(key, attr)))
+        break
+    else:
+      parts.append(str(key))
+  return "/".join(parts)
+
+
+def param_shardings(params: Any, mesh: Mesh, rules: Rules | str) -> Any:
+  """NamedShardings for a param tree (nnx.State or arrays); params without `axes` are replicated.
+
+  Variables come back holding their NamedSharding (flax's `get_partition_spec` convention), so the
+  result's plain-pytree leaves line up with the params' arrays and it can be passed straight to
+  `jax.device_put` or `jax.jit(out_shardings=...)`. Abstract params (`nnx.eval_shape`) work too.
+  """
+  rules = _as_rules(rules)
+
+  def one(path, leaf):
+    sharding = NamedSharding(mesh, _leaf_spec(leaf, mesh, rules, _path_str(path), None))
+    return leaf.replace(sharding) if isinstance(leaf, nnx.Variable) else sharding
+
+  return jax.tree_util.tree_map_with_path(one, params, is_leaf=_is_variable)
+
+
+def shard_params(params: Any, mesh: Mesh, rules: Rules | str) -> Any:
+  """Places params on the mesh by their logical axes; returns the same pytree type."""
+  return jax.device_put(params, param_shardings(params, mesh, rules))
+
+
+def describe_shardings(params: Any, mesh: Mesh, rules: Rules | str) -> list[str]:
+  """One readable line per param: path, shape, logical axes, spec, and any fallback taken."""
+  rules = _as_rules(rules)
+  lines = []
+  for path, leaf in jax.tree_util.tree_flatten_with_path(params, is_leaf=_is_variable)[0]:
+    value, axes = _leaf_value_and_axes(leaf)
+    fallbacks: list[str] = []
+    name = _path_str(path)
+    spec = _leaf_spec(leaf, mesh, rules, name, fallbacks)
+    line = f"{name} {tuple(getattr(value, 'shape', ()))} axes={axes} spec={spec}"
+    if fallbacks:
+      line += " fallback: " + " | ".join(fallbacks)
+    lines.append(line)
+  return lines
+
+
+_ACTIVE_RULES: contextvars.ContextVar[Rules | None] = contextvars.ContextVar(
+  "jaxrl_mesh_rules", default=None
+)
+
+
+@contextlib.contextmanager
+def use_mesh(mesh: Mesh, rules: Rules | str) -> Iterator[Mesh]:
+  """Makes `mesh` the JAX context mesh and `rules` the rules `logical_constraint` uses.
+
+  Enter it outside `jax.jit`: the rules are read at trace time. jit's cache is keyed on the context
+  mesh, so switching meshes retraces, but switching rules under the same mesh does not.
+  """
+  token = _ACTIVE_RULES.set(_as_rules(rules))
+  try:
+    with jax.set_mesh(mesh):
+      yield mesh
+  finally:
+    _ACTIVE_RULES.reset(token)
+
+
+def active_rules() -> Rules | None:
+  """The rules set by the innermost `use_mesh`, or None outside one."""
+  return _ACTIVE_RULES.get()
+
+
+def logical_constraint(
+  x: jax.Array, axes: Sequence[str | None], rules: Rules | str | None = None
+) -> jax.Array:
+  """Constrains `x`'s sharding by logical axis names; a no-op when no mesh is in context.
+
+  Model code calls this unconditionally, so the same forward runs single-device and sharded.
+  """
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty:
+    return x
+  rules = active_rules() if rules is None else _as_rules(rules)
+  if rules is None:
+    raise ValueError(
+      "logical_constraint found a mesh in context but no rules; enter jaxrl.mesh.use_mesh(mesh, "
+      "rules) instead of jax.set_mesh, or pass rules="
+    )
+  spec = logical_to_spec(axes, rules, shape=x.shape, mesh=mesh)
+  return jax.lax.with_sharding_constraint(x, spec)

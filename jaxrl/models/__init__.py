@@ -1,0 +1,14 @@
+"""Decoder-only language models in Flax NNX.
+
+One axis vocabulary, used in einsum strings, shape comments and sharding names everywhere:
+  B batch, T query positions, S key positions, D model dim, N query heads, K kv heads,
+  H head dim, F mlp hidden, V vocab, E experts, L layers, G group size.
+
+Logical parameter axes (mapped to mesh axes by the tables in `jaxrl.mesh`):
+  "vocab", "embed", "q_heads", "kv_heads", "head_dim", "mlp", "norm".
+"""
+
+from jaxrl.models.config import ModelConfig
+from jaxrl.models.transformer import Transformer, init_cache, make_model
+
+__all__ = ["ModelConfig", "Transformer", "init_cache", "make_model"]

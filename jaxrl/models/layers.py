@@ -1,0 +1,139 @@
+"""Transformer building blocks: RMSNorm, RoPE, grouped-query attention, SwiGLU MLP."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxrl.models.config import ModelConfig
+
+_NEG_INF = float(jnp.finfo(jnp.float32).min)
+
+
+def _param(rngs: nnx.Rngs, shape, fan_in: int, axes, dtype, scale: float = 1.0) -> nnx.Param:
+  std = scale / fan_in**0.5
+  value = std * jax.random.truncated_normal(rngs.params(), -2.0, 2.0, shape, jnp.float32)
+  return nnx.Param(value.astype(dtype), axes=axes)
+
+
+class RMSNorm(nnx.Module):
+  """y = x / rms(x) * w, computed in float32 whatever the activation dtype."""
+
+  def __init__(self, dim: int, eps: float, *, dtype=jnp.float32):
+    self.scale = nnx.Param(jnp.ones((dim,), dtype), axes=("norm",))
+    self.eps = eps
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    x32 = x.astype(jnp.float32)
+    var = jnp.mean(jnp.square(x32), axis=-1, keepdims=True)
+    y = x32 * jax.lax.rsqrt(var + self.eps) * self.scale[...].astype(jnp.float32)
+    return y.astype(x.dtype)
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
+  """Rotary embedding in the HF "rotate half" layout. x: [B, T, N, H]; positions: [B, T]."""
+  h = x.shape[-1]
+  inv_freq = 1.0 / (theta ** (jnp.arange(0, h, 2, dtype=jnp.float32) / h))  # [H/2]
+  angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, H/2]
+  cos = jnp.cos(angles)[:, :, None, :]
+  sin = jnp.sin(angles)[:, :, None, :]
+  x32 = x.astype(jnp.float32)
+  x1, x2 = x32[..., : h // 2], x32[..., h // 2 :]
+  out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+  return out.astype(x.dtype)
+
+
+def attention_mask(kv_valid: jax.Array, num_queries: int, query_offset) -> jax.Array:
+  """Causal + padding mask [B, T, S]: query t (global index query_offset + t) sees key s iff the
+  key is a real token and s <= query_offset + t."""
+  s = kv_valid.shape[1]
+  q_idx = query_offset + jnp.arange(num_queries)[:, None]  # [T, 1]
+  causal = jnp.arange(s)[None, :] <= q_idx  # [T, S]
+  return kv_valid[:, None, :] & causal[None]
+
+
+def dot_attention(q, k, v, mask) -> jax.Array:
+  """Grouped-query attention. q: [B, T, N, H]; k, v: [B, S, K, H]; mask: [B, T, S] -> [B, T, N, H].
+
+  Query head n uses kv head n // (N / K), as in HF `repeat_kv`. Softmax in float32.
+  """
+  b, t, n, h = q.shape
+  kh = k.shape[2]
+  q = q.reshape(b, t, kh, n // kh, h)
+  logits = jnp.einsum("BTKGH,BSKH->BKGTS", q, k, preferred_element_type=jnp.float32)
+  logits = logits * (h**-0.5)
+  logits = jnp.where(mask[:, None, None], logits, _NEG_INF)
+  probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
+  out = jnp.einsum("BKGTS,BSKH->BTKGH", probs, v)
+  return out.reshape(b, t, n, h)
+
+
+class Attention(nnx.Module):
+  """Grouped-query self-attention with optional QK-norm and a functional KV cache."""
+
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    d, n, k, h, dt = cfg.embed_dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.weight_dtype
+    self.q = _param(rngs, (d, n, h), d, ("embed", "q_heads", "head_dim"), dt)
+    self.k = _param(rngs, (d, k, h), d, ("embed", "kv_heads", "head_dim"), dt)
+    self.v = _param(rngs, (d, k, h), d, ("embed", "kv_heads", "head_dim"), dt)
+    self.o = _param(
+      rngs, (n, h, d), n * h, ("q_heads", "head_dim", "embed"), dt, (2 * cfg.num_layers) ** -0.5
+    )
+    self.q_norm = RMSNorm(h, cfg.norm_eps, dtype=dt) if cfg.qk_norm else None
+    self.k_norm = RMSNorm(h, cfg.norm_eps, dtype=dt) if cfg.qk_norm else None
+    self.rope_theta = cfg.rope_theta
+
+  def __call__(self, x, positions, kv_valid, cache=None, cache_index=0):
+    """x: [B, T, D]; positions: [B, T]; kv_valid: [B, S] (S = T without a cache).
+
+    With a cache (k, v: [B, S, K, H]) the new keys/values are written at `cache_index` and the
+    queries attend over the whole cache; returns (out [B, T, D], new cache or None).
+    """
+    dt = x.dtype
+    q = jnp.einsum("BTD,DNH->BTNH", x, self.q[...].astype(dt))
+    k = jnp.einsum("BTD,DKH->BTKH", x, self.k[...].astype(dt))
+    v = jnp.einsum("BTD,DKH->BTKH", x, self.v[...].astype(dt))
+    if self.q_norm is not None:
+      q, k = self.q_norm(q), self.k_norm(k)
+    q = apply_rope(q, positions, self.rope_theta)
+    k = apply_rope(k, positions, self.rope_theta)
+    if cache is not None:
+      ck, cv = cache
+      k = jax.lax.dynamic_update_slice_in_dim(ck, k.astype(ck.dtype), cache_index, axis=1)
+      v = jax.lax.dynamic_update_slice_in_dim(cv, v.astype(cv.dtype), cache_index, axis=1)
+      cache = (k, v)
+    mask = attention_mask(kv_valid, x.shape[1], cache_index)
+    out = dot_attention(q, k.astype(dt), v.astype(dt), mask)
+    return jnp.einsum("BTNH,NHD->BTD", out, self.o[...].astype(dt)), cache
+
+
+class MLP(nnx.Module):
+  """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    d, f, dt = cfg.embed_dim, cfg.mlp_dim, cfg.weight_dtype
+    self.gate = _param(rngs, (d, f), d, ("embed", "mlp"), dt)
+    self.up = _param(rngs, (d, f), d, ("embed", "mlp"), dt)
+    self.down = _param(rngs, (f, d), f, ("mlp", "embed"), dt, (2 * cfg.num_layers) ** -0.5)
+
+  def __call__(self, x):
+    dt = x.dtype
+    g = jnp.einsum("BTD,DF->BTF", x, self.gate[...].astype(dt))
+    u = jnp.einsum("BTD,DF->BTF", x, self.up[...].astype(dt))
+    return jnp.einsum("BTF,FD->BTD", jax.nn.silu(g) * u, self.down[...].astype(dt))
+
+
+class Block(nnx.Module):
+  """Pre-norm decoder block: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    self.attn_norm = RMSNorm(cfg.embed_dim, cfg.norm_eps, dtype=cfg.weight_dtype)
+    self.attn = Attention(cfg, rngs=rngs)
+    self.mlp_norm = RMSNorm(cfg.embed_dim, cfg.norm_eps, dtype=cfg.weight_dtype)
+    self.mlp = MLP(cfg, rngs=rngs)
+
+  def __call__(self, x, positions, kv_valid, cache=None, cache_index=0):
+    h, cache = self.attn(self.attn_norm(x), positions, kv_valid, cache, cache_index)
+    x = x + h
+    return x + self.mlp(self.mlp_norm(x)), cache

@@ -1,0 +1,100 @@
+"""The decoder-only transformer and the pure functions the sampler and learner both call."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxrl.models.config import ModelConfig
+from jaxrl.models.layers import Block, RMSNorm
+
+KVCache = tuple  # one (k, v) pair per layer, each [B, S, K, H]
+
+
+class Transformer(nnx.Module):
+  """Token embedding, L pre-norm blocks, final RMSNorm, tied or untied output head."""
+
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    self.cfg = cfg
+    dt = cfg.weight_dtype
+    embed = 0.02 * jax.random.normal(rngs.params(), (cfg.vocab_size, cfg.embed_dim), jnp.float32)
+    self.embed = nnx.Param(embed.astype(dt), axes=("vocab", "embed"))
+    self.layers = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.num_layers)])
+    self.final_norm = RMSNorm(cfg.embed_dim, cfg.norm_eps, dtype=dt)
+    if cfg.tie_embeddings:
+      self.head = None
+    else:
+      head = jax.random.normal(rngs.params(), (cfg.embed_dim, cfg.vocab_size), jnp.float32)
+      self.head = nnx.Param((head * cfg.embed_dim**-0.5).astype(dt), axes=("embed", "vocab"))
+
+  def __call__(
+    self,
+    tokens: jax.Array,
+    positions: jax.Array,
+    kv_valid: jax.Array,
+    *,
+    cache: KVCache | None = None,
+    cache_index=0,
+    logits_at: jax.Array | None = None,
+  ) -> tuple[jax.Array, KVCache | None]:
+    """tokens, positions: [B, T]; kv_valid: [B, S] marks real (non-pad) keys.
+
+    Without a cache S = T. With one, this call's keys land at [cache_index, cache_index + T).
+    `logits_at` ([B] indices into T) computes logits at one position per row only.
+    Returns (logits [B, T, V] float32 — or [B, V] with logits_at — , new cache).
+    """
+    x = self.embed[...].astype(self.cfg.compute_dtype)[tokens]  # [B, T, D]
+    new_cache = []
+    for i, layer in enumerate(self.layers):
+      layer_cache = None if cache is None else cache[i]
+      x, layer_cache = layer(x, positions, kv_valid, layer_cache, cache_index)
+      new_cache.append(layer_cache)
+    if logits_at is not None:
+      x = jnp.take_along_axis(x, logits_at[:, None, None], axis=1)[:, 0]  # [B, D]
+    x = self.final_norm(x)
+    if self.head is None:
+      logits = jnp.einsum("...D,VD->...V", x, self.embed[...].astype(x.dtype))
+    else:
+      logits = jnp.einsum("...D,DV->...V", x, self.head[...].astype(x.dtype))
+    return logits.astype(jnp.float32), (tuple(new_cache) if cache is not None else None)
+
+
+def make_model(cfg: ModelConfig, seed: int = 0) -> tuple[nnx.GraphDef, nnx.State]:
+  """Build a model and split it once into (graphdef, params); hot paths take `params`."""
+  model = Transformer(cfg, rngs=nnx.Rngs(params=seed))
+  return nnx.split(model)
+
+
+def apply(graphdef: nnx.GraphDef, params: nnx.State, *args, **kwargs):
+  """The one forward: the sampler and the learner both call this with the same params."""
+  return nnx.merge(graphdef, params)(*args, **kwargs)
+
+
+def init_cache(cfg: ModelConfig, batch: int, length: int, dtype=None) -> KVCache:
+  dtype = dtype or cfg.compute_dtype
+  shape = (batch, length, cfg.num_kv_heads, cfg.head_dim)
+  return tuple((jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(cfg.num_layers))
+
+
+def positions_from_mask(valid: jax.Array) -> jax.Array:
+  """Position of each token counting only real tokens (left padding gets position 0)."""
+  return jnp.maximum(jnp.cumsum(valid.astype(jnp.int32), axis=-1) - 1, 0)
+
+
+def token_logprobs(
+  graphdef, params, tokens, valid, *, temperature: float = 1.0, with_entropy: bool = False
+):
+  """Per-token log p(tokens[:, j] | tokens[:, :j]) under softmax(logits / temperature).
+
+  tokens, valid: [B, T]. Returns logp [B, T] (column 0 is 0: nothing predicts it) and, if asked,
+  the entropy [B, T] of the predictive distribution for each target. All in float32.
+  """
+  logits, _ = apply(graphdef, params, tokens, positions_from_mask(valid), valid)
+  logp_all = jax.nn.log_softmax(logits[:, :-1] / temperature, axis=-1)  # [B, T-1, V]
+  logp = jnp.take_along_axis(logp_all, tokens[:, 1:, None], axis=-1)[..., 0]
+  logp = jnp.pad(logp, ((0, 0), (1, 0)))
+  if not with_entropy:
+    return logp
+  ent = -jnp.sum(jnp.exp(logp_all) * logp_all, axis=-1)
+  return logp, jnp.pad(ent, ((0, 0), (1, 0)))

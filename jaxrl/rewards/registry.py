@@ -1,0 +1,110 @@
+"""Reward functions by name, and a batch evaluator that isolates a failing reward."""
+
+import math
+import numbers
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+# fn(completion, record) -> reward. `record` is the task's dataset record (prompt, answer, ...).
+RewardFn = Callable[[str, dict[str, Any]], float]
+
+_REGISTRY: dict[str, RewardFn] = {}
+_ON_ERROR = ("raise", "zero")
+
+
+class UnknownRewardError(KeyError, ValueError):
+  """An unknown reward name; both a KeyError (a failed lookup) and a ValueError (bad config)."""
+
+  def __str__(self) -> str:
+    # KeyError's own __str__ would wrap the message in quotes.
+    return str(self.args[0])
+
+
+class RewardError(RuntimeError):
+  """A reward function raised or returned something other than a finite number."""
+
+
+def register(name: str) -> Callable[[RewardFn], RewardFn]:
+  """Decorator that registers a reward function under `name`."""
+  if not isinstance(name, str) or not name:
+    raise ValueError(f"reward name must be a non-empty str, got {name!r}")
+
+  def decorator(fn: RewardFn) -> RewardFn:
+    if name in _REGISTRY:
+      raise ValueError(f"reward {name!r} is already registered (by {_REGISTRY[name]!r})")
+    _REGISTRY[name] = fn
+    return fn
+
+  return decorator
+
+
+def names() -> tuple[str, ...]:
+  """The registered reward names, sorted."""
+  return tuple(sorted(_REGISTRY))
+
+
+def get(name: str) -> RewardFn:
+  """The reward function registered as `name`."""
+  try:
+    return _REGISTRY[name]
+  except (KeyError, TypeError):
+    raise UnknownRewardError(
+      f"unknown reward {name!r}; valid names: {', '.join(names()) or '(none registered)'}"
+    ) from None
+
+
+def _checked_reward(fn: RewardFn, completion: str, record: dict[str, Any]) -> float:
+  value = fn(completion, record)
+  # numbers.Real covers int/float/bool and numpy scalars; arrays and None are rejected.
+  if not isinstance(value, numbers.Real):
+    raise TypeError(f"reward must be a real number, got {type(value).__name__}: {value!r}")
+  value = float(value)
+  if not math.isfinite(value):
+    raise ValueError(f"reward must be finite, got {value}")
+  return value
+
+
+def compute_rewards(
+  fn: RewardFn,
+  completions: Sequence[str],
+  records: Sequence[dict[str, Any]],
+  *,
+  on_error: str,
+) -> tuple[np.ndarray, int]:
+  """Applies `fn` to each (completion, record) pair.
+
+  Args:
+    fn: the reward function.
+    completions: decoded completions, one per sample.
+    records: the task record of each sample (same length as `completions`).
+    on_error: what to do when `fn` raises or returns a non-number / non-finite value:
+      "raise" raises `RewardError` naming the sample; "zero" scores that sample 0.0 and counts
+      it, so one malformed completion cannot kill a long run (log the count as a metric).
+
+  Returns:
+    `(rewards, num_failures)`: float32 rewards of shape [len(completions)] and the number of
+    samples that failed (always 0 with on_error="raise").
+  """
+  if on_error not in _ON_ERROR:
+    raise ValueError(f"on_error must be one of {_ON_ERROR}, got {on_error!r}")
+  if len(completions) != len(records):
+    raise ValueError(
+      f"got {len(completions)} completions but {len(records)} records; they must pair up"
+    )
+  rewards = np.zeros(len(completions), np.float32)
+  failures = 0
+  for i, (completion, record) in enumerate(zip(completions, records, strict=True)):
+    try:
+      rewards[i] = _checked_reward(fn, completion, record)
+    except Exception as e:
+      if on_error == "raise":
+        prompt = record.get("prompt") if isinstance(record, dict) else None
+        fn_name = getattr(fn, "__name__", repr(fn))
+        raise RewardError(
+          f"reward {fn_name} failed on sample {i} (prompt {prompt!r}, completion "
+          f"{completion!r}): {type(e).__name__}: {e}"
+        ) from e
+      failures += 1
+  return rewards, failures

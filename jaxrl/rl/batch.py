@@ -1,0 +1,57 @@
+"""TrainBatch: everything a train step needs, aligned to token columns, each with its mask."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+class TrainBatch(NamedTuple):
+  """All fields are [B, T] with T = prompt bucket + max new tokens; column j of a per-token field
+  refers to predicting tokens[:, j] from tokens[:, :j]."""
+
+  tokens: jax.Array  # int32
+  valid: jax.Array  # bool: real tokens (prompt and completion), for positions and attention
+  loss_mask: jax.Array  # float32: 1 on completion tokens (incl. EOS) that the loss covers
+  advantages: jax.Array  # float32, per token (sequence advantages are broadcast)
+  old_logprobs: jax.Array  # float32 behaviour log-probs (the sampler's)
+  ref_logprobs: jax.Array  # float32 reference-policy log-probs (zeros when beta = 0)
+  versions: jax.Array  # int32 policy version that produced each completion token (-1 elsewhere)
+
+  @property
+  def size(self) -> int:
+    return self.tokens.shape[0]
+
+
+def from_rollout(rollout, advantages, *, version: int, ref_logprobs=None) -> TrainBatch:
+  """Join a Rollout's prompt and completion columns; broadcast per-sequence advantages [B]."""
+  tokens = jnp.concatenate([rollout.prompt_tokens, rollout.tokens], axis=1)
+  valid = jnp.concatenate([rollout.prompt_mask, rollout.mask], axis=1)
+  b, p = rollout.prompt_tokens.shape
+  loss_mask = jnp.concatenate([jnp.zeros((b, p), bool), rollout.mask], axis=1).astype(jnp.float32)
+  old = jnp.concatenate([jnp.zeros((b, p), jnp.float32), rollout.logprobs], axis=1)
+  adv = jnp.asarray(advantages, jnp.float32)[:, None] * loss_mask
+  ref = jnp.zeros_like(old) if ref_logprobs is None else ref_logprobs * loss_mask
+  versions = jnp.where(loss_mask > 0, version, -1).astype(jnp.int32)
+  return TrainBatch(tokens, valid, loss_mask, adv, old, ref, versions)
+
+
+def supervised(prompt_tokens, prompt_mask, completions, *, max_new_tokens: int, pad_id: int):
+  """A batch for supervised fine-tuning: loss on the completion tokens (lists ending with EOS)."""
+  b = len(completions)
+  comp = np.full((b, max_new_tokens), pad_id, np.int32)
+  cmask = np.zeros((b, max_new_tokens), bool)
+  for i, c in enumerate(completions):
+    if len(c) > max_new_tokens:
+      raise ValueError(f"completion {i} has {len(c)} tokens > max_new_tokens={max_new_tokens}")
+    comp[i, : len(c)] = c
+    cmask[i, : len(c)] = True
+  tokens = np.concatenate([np.asarray(prompt_tokens), comp], axis=1)
+  valid = np.concatenate([np.asarray(prompt_mask), cmask], axis=1)
+  loss_mask = np.concatenate([np.zeros_like(prompt_mask), cmask], axis=1).astype(np.float32)
+  zeros = np.zeros(tokens.shape, np.float32)
+  versions = np.full(tokens.shape, -1, np.int32)
+  return TrainBatch(tokens, valid, loss_mask, zeros, zeros, zeros, versions)

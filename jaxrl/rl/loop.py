@@ -1,0 +1,333 @@
+"""The RL loop: SFT warm-start, then GRPO with the sampler reading the learner's own arrays.
+
+One step: prompts (grain) -> sampler(params = the learner's param pytree) -> rewards -> group
+advantages -> TrainBatch -> train_step (jitted once, state donated). Checkpoints carry params,
+optimizer state, step, RNG and the data-iterator position, so a resumed run repeats an
+uninterrupted one bit for bit on CPU.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxrl import rewards
+from jaxrl.checkpoint import Checkpointer
+from jaxrl.config import Config, ConfigError
+from jaxrl.data.arithmetic import ArithmeticTask
+from jaxrl.mesh import get_rules, make_mesh, named_sharding, shard_params
+from jaxrl.metrics import MetricsWriter, Progress, plot_curves
+from jaxrl.models.config import from_preset
+from jaxrl.models.transformer import make_model, token_logprobs
+from jaxrl.rl import batch as batch_lib
+from jaxrl.rl.advantages import ESTIMATORS
+from jaxrl.rl.objectives import GRPOLoss, SFTLoss
+from jaxrl.rl.train_step import init_state, make_optimizer, make_train_step
+from jaxrl.rollout.sampler import left_pad, make_sampler, row_keys
+from jaxrl.rollout.sampling import SamplingParams
+from jaxrl.tokenizer import ByteTokenizer
+
+
+class Trainer:
+  """Owns the mesh, model, sampler, train steps, data, checkpoints and metrics of one run."""
+
+  def __init__(self, cfg: Config, *, log=print):
+    self.cfg = cfg
+    self.log = log
+    self.workdir = Path(cfg.workdir)
+    self.tokenizer = tok = ByteTokenizer()
+    self.mesh = make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor)
+    self.rules = get_rules(cfg.mesh.rules)
+    self.model_cfg = from_preset(cfg.model.preset, vocab_size=tok.vocab_size, dtype=cfg.model.dtype)
+    rl = cfg.rl
+    if rl.max_prompt_len + rl.max_new_tokens > self.model_cfg.max_seq_len:
+      raise ConfigError(
+        f"config.rl.max_prompt_len + config.rl.max_new_tokens = {rl.max_prompt_len} + "
+        f"{rl.max_new_tokens} exceeds the model's max_seq_len={self.model_cfg.max_seq_len}"
+      )
+    self.task = ArithmeticTask(
+      max_digits=cfg.task.max_digits,
+      ops=tuple(cfg.task.ops),
+      held_out_fraction=cfg.task.held_out_fraction,
+      allow_negative=cfg.task.allow_negative,
+    )
+    self.reward_fn = rewards.get(cfg.reward.name)
+    self.held_out = self.task.held_out(cfg.eval.num_examples, seed=cfg.seed)
+    self.base_key = jax.random.key(cfg.seed)
+
+    self.graphdef, params = make_model(self.model_cfg, seed=cfg.seed)
+    self.init_params = shard_params(params, self.mesh, self.rules)
+    self.batch_sharding = named_sharding(self.mesh, ("batch",), self.rules)
+
+    sample_kw = dict(
+      prompt_len=rl.max_prompt_len,
+      max_new_tokens=rl.max_new_tokens,
+      eos_id=tok.eos_id,
+      pad_id=tok.pad_id,
+    )
+    self.sampling = SamplingParams(rl.temperature, rl.top_k, rl.top_p)
+    self.sample_fn = make_sampler(
+      self.graphdef, self.model_cfg, sampling=self.sampling, **sample_kw
+    )
+    self.greedy_fn = make_sampler(
+      self.graphdef, self.model_cfg, sampling=SamplingParams(temperature=0.0), **sample_kw
+    )
+    self.ref_logprobs_fn = jax.jit(
+      lambda p, t, v: token_logprobs(self.graphdef, p, t, v, temperature=rl.temperature)
+    )
+    self.sft_opt = make_optimizer(
+      learning_rate=cfg.sft.learning_rate,
+      warmup_steps=cfg.sft.warmup_steps,
+      total_steps=cfg.sft.steps,
+      weight_decay=cfg.sft.weight_decay,
+      schedule="cosine",
+    )
+    self.rl_opt = make_optimizer(
+      learning_rate=rl.learning_rate,
+      warmup_steps=rl.warmup_steps,
+      total_steps=rl.steps,
+      weight_decay=rl.weight_decay,
+      b2=rl.b2,
+      grad_clip=rl.grad_clip,
+      schedule=rl.lr_schedule,
+    )
+    self.grpo_loss = GRPOLoss(
+      self.graphdef,
+      temperature=self.sampling.logprob_temperature,
+      policy_loss=rl.policy_loss,
+      eps_low=rl.eps_low,
+      eps_high=rl.eps_high,
+      beta=rl.beta,
+      kl_estimator=rl.kl_estimator,
+      aggregation=rl.loss_aggregation,
+    )
+    self.sft_step = make_train_step(
+      self.sft_opt, SFTLoss(self.graphdef), num_microbatches=cfg.sft.num_microbatches
+    )
+    self.rl_step = make_train_step(
+      self.rl_opt, self.grpo_loss, num_microbatches=rl.num_microbatches
+    )
+    self.advantage_fn = ESTIMATORS.get(rl.advantage)
+    ck = cfg.checkpoint
+    self.sft_ckpt = Checkpointer(self.workdir / "checkpoints" / "sft", max_to_keep=ck.max_to_keep)
+    self.rl_ckpt = Checkpointer(
+      self.workdir / "checkpoints" / "rl", max_to_keep=ck.max_to_keep, save_every=ck.every
+    )
+    self.metrics = MetricsWriter(self.workdir, use_tensorboard=cfg.log.tensorboard)
+    self.state = None
+    self.ref_params = None
+    self.summary: dict = {}
+
+  # ----------------------------------------------------------------------------------- helpers
+
+  def _prompts(self, records) -> tuple[np.ndarray, np.ndarray]:
+    seqs = []
+    for r in records:
+      ids = self.tokenizer.encode(r["prompt"], add_bos=True)
+      if len(ids) > self.cfg.rl.max_prompt_len:
+        raise ValueError(
+          f"prompt {r['prompt']!r} has {len(ids)} tokens, more than "
+          f"config.rl.max_prompt_len={self.cfg.rl.max_prompt_len}"
+        )
+      seqs.append(ids)
+    return left_pad(seqs, self.cfg.rl.max_prompt_len, self.tokenizer.pad_id)
+
+  def _shard_batch(self, batch):
+    return jax.device_put(jax.tree.map(jnp.asarray, batch), self.batch_sharding)
+
+  def _completions(self, tokens, lengths) -> list[str]:
+    return [self.tokenizer.decode(t[:n]) for t, n in zip(tokens, lengths, strict=True)]
+
+  def _state_target(self, state):
+    return jax.tree.map(
+      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state
+    )
+
+  def evaluate(self, params) -> dict:
+    """Greedy held-out accuracy with the same sampler code path (temperature 0)."""
+    bs = self.cfg.eval.batch_size
+    recs = self.held_out
+    correct, lengths = [], []
+    for i in range(0, len(recs), bs):
+      chunk = recs[i : i + bs]
+      padded = chunk + [chunk[0]] * (bs - len(chunk))  # fixed shape: compile once
+      toks, mask = self._prompts(padded)
+      keys = row_keys(self.base_key, np.arange(bs))
+      out = jax.device_get(self.greedy_fn(params, toks, mask, keys))
+      texts = self._completions(out.tokens, out.lengths)[: len(chunk)]
+      r, _ = rewards.compute_rewards(self.reward_fn, texts, chunk, on_error="zero")
+      correct.extend(r.tolist())
+      lengths.extend(out.lengths[: len(chunk)].tolist())
+    return {
+      "eval/accuracy": float(np.mean(correct)),
+      "eval/response_length": float(np.mean(lengths)),
+    }
+
+  # ------------------------------------------------------------------------------------ phases
+
+  def run_sft(self) -> None:
+    """Supervised warm-start on generated solutions; its final params seed RL (and the ref)."""
+    cfg = self.cfg.sft
+    params = self.init_params
+    latest = self.sft_ckpt.latest_step() if self.cfg.resume else None
+    if latest is not None and latest >= cfg.steps:
+      target = {"params": self._state_target(params)}
+      restored, meta = self.sft_ckpt.restore(latest, target)
+      self.sft_params = restored["params"]
+      self.summary.update(meta.get("summary", {}))
+      self.log(f"[jaxrl] SFT warm-start restored from {self.sft_ckpt.directory}/{latest}")
+      return
+    self.summary["accuracy_init"] = self.evaluate(params)["eval/accuracy"]
+    state = init_state(params, self.sft_opt)
+    it = iter(self.task.train_dataset(seed=self.cfg.seed + 1, batch_size=cfg.batch_size))
+    progress = Progress(total=cfg.steps, desc="sft", enabled=self.cfg.log.progress)
+    for step in range(1, cfg.steps + 1):
+      records = next(it)
+      toks, mask = self._prompts(records)
+      comps = [
+        self.tokenizer.encode(self.task.sft_completion(r)) + [self.tokenizer.eos_id]
+        for r in records
+      ]
+      batch = batch_lib.supervised(
+        toks,
+        mask,
+        comps,
+        max_new_tokens=self.cfg.rl.max_new_tokens,
+        pad_id=self.tokenizer.pad_id,
+      )
+      state, m = self.sft_step(state, self._shard_batch(batch))
+      if step % 10 == 0 or step == cfg.steps:
+        m = {k: float(v) for k, v in jax.device_get(m).items()}
+        self.metrics.write(step, {**m, "global_step": step}, phase="sft")
+        progress.update(1, loss=m["sft/loss"])
+      else:
+        progress.update(1)
+    progress.close()
+    self.sft_params = state.params
+    ev = self.evaluate(self.sft_params)
+    self.summary["accuracy_after_sft"] = ev["eval/accuracy"]
+    self.metrics.write(cfg.steps, {**ev, "global_step": cfg.steps}, phase="sft")
+    self.sft_ckpt.save(
+      cfg.steps, {"params": self.sft_params}, {"summary": dict(self.summary)}, force=True
+    )
+    self.sft_ckpt.wait()
+    self.log(
+      f"[jaxrl] held-out accuracy: {self.summary['accuracy_init']:.3f} at init -> "
+      f"{self.summary['accuracy_after_sft']:.3f} after {cfg.steps} SFT steps"
+    )
+
+  def rl_batch(self, step: int, records):
+    """Roll out one GRPO batch with the learner's params and turn it into a TrainBatch."""
+    rl = self.cfg.rl
+    g = rl.group_size
+    group_records = [r for r in records for _ in range(g)]
+    toks, mask = self._prompts(group_records)
+    b = len(group_records)
+    keys = row_keys(jax.random.fold_in(self.base_key, step), np.arange(b))
+    # The learner's own param pytree goes in: no copy, no sync.
+    rollout = self.sample_fn(self.state.params, toks, mask, keys)
+    host = jax.device_get(rollout)
+    texts = self._completions(host.tokens, host.lengths)
+    r, n_err = rewards.compute_rewards(
+      self.reward_fn, texts, group_records, on_error=self.cfg.reward.on_error
+    )
+    grouped = r.reshape(-1, g)
+    adv = np.asarray(self.advantage_fn(grouped, scale_by_std=rl.scale_by_std)).reshape(-1)
+    ref = None
+    if rl.beta > 0:
+      full = jnp.concatenate([rollout.prompt_tokens, rollout.tokens], axis=1)
+      valid = jnp.concatenate([rollout.prompt_mask, rollout.mask], axis=1)
+      ref = self.ref_logprobs_fn(self.ref_params, full, valid)
+    batch = batch_lib.from_rollout(rollout, adv, version=step, ref_logprobs=ref)
+    stats = {
+      "rl/reward_mean": float(r.mean()),
+      "rl/reward_std": float(r.std()),
+      "rl/reward_errors": float(n_err),
+      "rl/adv_mean": float(adv.mean()),
+      "rl/adv_std": float(adv.std()),
+      "rl/zero_adv_groups": float(np.mean(np.all(grouped == grouped[:, :1], axis=1))),
+      "rl/response_length": float(host.lengths.mean()),
+      "rl/truncated_frac": float(host.truncated.mean()),
+    }
+    return batch, stats
+
+  def run_rl(self, until: int | None = None) -> None:
+    rl = self.cfg.rl
+    self.state = init_state(self.sft_params, self.rl_opt)
+    if rl.beta > 0:
+      self.ref_params = jax.tree.map(jnp.copy, self.sft_params)  # frozen; the learner moves on
+    it = iter(self.task.train_dataset(seed=self.cfg.seed, batch_size=rl.prompts_per_step))
+    start = 0
+    latest = self.rl_ckpt.latest_step() if self.cfg.resume else None
+    if latest is not None:
+      target = {"train": self._state_target(self.state), "rng": jax.random.key_data(self.base_key)}
+      restored, meta = self.rl_ckpt.restore(latest, target)
+      self.state = restored["train"]
+      it.set_state(meta["data"])
+      start = latest
+      self.summary.update(meta.get("summary", {}))
+      self.metrics.truncate_after("rl", start + 1)
+      self.log(f"[jaxrl] resumed RL from step {start} in {self.rl_ckpt.directory}")
+    stop = rl.steps if until is None else min(until, rl.steps)
+    progress = Progress(total=rl.steps, desc="grpo", enabled=self.cfg.log.progress, initial=start)
+    offset = self.cfg.sft.steps
+    for step in range(start, stop):
+      t0 = time.perf_counter()
+      batch, stats = self.rl_batch(step, next(it))
+      t1 = time.perf_counter()
+      self.state, m = self.rl_step(self.state, self._shard_batch(batch))
+      m = {k: float(v) for k, v in jax.device_get(m).items()}
+      done = step + 1
+      m.update(stats, **{"time/rollout_s": t1 - t0, "time/train_s": time.perf_counter() - t1})
+      if self.cfg.eval.every and done % self.cfg.eval.every == 0 or done == rl.steps:
+        m.update(self.evaluate(self.state.params))
+      self.metrics.write(done, {**m, "global_step": offset + done}, phase="rl")
+      shown = {"reward": stats["rl/reward_mean"]}
+      if "eval/accuracy" in m:
+        shown["acc"] = m["eval/accuracy"]
+      progress.update(1, **shown)
+      self._save_rl(done, it, force=done == stop)
+    progress.close()
+    if stop == rl.steps:
+      self.summary["accuracy_after_rl"] = self.evaluate(self.state.params)["eval/accuracy"]
+
+  def _save_rl(self, step: int, it, *, force: bool) -> None:
+    state = {"train": self.state, "rng": jax.random.key_data(self.base_key)}
+    meta = {"data": it.get_state(), "phase": "rl", "summary": dict(self.summary)}
+    self.rl_ckpt.save(step, state, meta, force=force)
+
+  # --------------------------------------------------------------------------------------- run
+
+  def run(self, until: int | None = None) -> dict:
+    """Run (or resume) SFT then RL; `until` stops RL after that many steps (preemption, tests)."""
+    t0 = time.perf_counter()
+    self.workdir.mkdir(parents=True, exist_ok=True)
+    self.run_sft()
+    self.run_rl(until)
+    self.rl_ckpt.wait()
+    self.metrics.flush()
+    if "accuracy_after_rl" in self.summary:
+      self.summary["wall_s"] = time.perf_counter() - t0
+      (self.workdir / "summary.json").write_text(json.dumps(self.summary, indent=2))
+      png = plot_curves(
+        self.workdir / "metrics.jsonl",
+        self.workdir / "curves.png",
+        panels=[("reward", ["rl/reward_mean"]), ("held-out accuracy", ["eval/accuracy"])],
+      )
+      s = self.summary
+      self.log(
+        f"[jaxrl] held-out accuracy: init {s.get('accuracy_init', float('nan')):.3f} | "
+        f"after SFT {s['accuracy_after_sft']:.3f} | after RL {s['accuracy_after_rl']:.3f}"
+      )
+      self.log(f"[jaxrl] metrics: {self.workdir / 'metrics.jsonl'}  plot: {png}")
+    return dict(self.summary)
+
+  def close(self) -> None:
+    self.sft_ckpt.close()
+    self.rl_ckpt.close()
+    self.metrics.close()

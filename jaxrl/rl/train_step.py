@@ -1,0 +1,170 @@
+"""The pure train step: `train_step(state, batch) -> (state, metrics)`, jitted once, state donated.
+
+A loss is an object with `denominator(batch)` (data only: e.g. the number of loss tokens of the
+whole batch) and `__call__(params, micro_batch) -> (weighted_sum, {name: (sum, count)})`. The step
+accumulates gradients of the weighted sums over micro-batches and divides once by the global
+denominator, so k micro-batches give exactly the gradient of one large batch.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import NamedSharding, PartitionSpec
+
+
+@flax.struct.dataclass
+class TrainState:
+  params: Any
+  opt_state: Any
+  step: jax.Array  # int32 number of optimizer updates applied
+
+
+def make_optimizer(
+  *,
+  learning_rate: float,
+  warmup_steps: int,
+  total_steps: int,
+  weight_decay: float = 0.0,
+  b1: float = 0.9,
+  b2: float = 0.999,
+  grad_clip: float = 1.0,
+  schedule: str = "cosine",
+) -> Optimizer:
+  """AdamW with global-norm clipping and linear warmup, then cosine decay (to 10%) or constant."""
+  if schedule == "cosine":
+    lr = optax.warmup_cosine_decay_schedule(
+      0.0,
+      learning_rate,
+      max(warmup_steps, 1),
+      max(total_steps, warmup_steps + 1),
+      0.1 * learning_rate,
+    )
+  elif schedule == "constant":
+    lr = optax.join_schedules(
+      [
+        optax.linear_schedule(0.0, learning_rate, max(warmup_steps, 1)),
+        optax.constant_schedule(learning_rate),
+      ],
+      [max(warmup_steps, 1)],
+    )
+  else:
+    raise ValueError(f"unknown lr schedule {schedule!r}; valid: ['constant', 'cosine']")
+  tx = optax.chain(
+    optax.clip_by_global_norm(grad_clip) if grad_clip > 0 else optax.identity(),
+    optax.adamw(lr, b1=b1, b2=b2, weight_decay=weight_decay),
+  )
+  return Optimizer(tx, lr)
+
+
+class Optimizer(NamedTuple):
+  """An optax transformation plus its schedule, so the step can report the learning rate."""
+
+  tx: optax.GradientTransformation
+  lr_fn: Any
+
+  def init(self, params):
+    return self.tx.init(params)
+
+  def update(self, grads, opt_state, params):
+    return self.tx.update(grads, opt_state, params)
+
+
+def init_state(params, optimizer) -> TrainState:
+  """A fresh state whose every leaf lives on the params' mesh: params keep their shardings,
+  optimizer moments mirror them (by propagation), scalars are replicated."""
+  state = TrainState(params=params, opt_state=optimizer.init(params), step=jnp.zeros((), jnp.int32))
+  return jax.device_put(state, state_shardings(state))
+
+
+def state_shardings(state):
+  """The sharding of every leaf, with anything not already on the params' mesh replicated."""
+  mesh = next(
+    (x.sharding.mesh for x in jax.tree.leaves(state) if isinstance(x.sharding, NamedSharding)),
+    None,
+  )
+  if mesh is None:
+    return jax.tree.map(lambda x: x.sharding, state)
+
+  def pick(x):
+    if isinstance(x.sharding, NamedSharding) and x.sharding.mesh == mesh:
+      return x.sharding
+    return NamedSharding(mesh, PartitionSpec())
+
+  return jax.tree.map(pick, state)
+
+
+def _split_micro(batch, k: int):
+  def split(x):
+    if x.shape[0] % k:
+      raise ValueError(f"batch size {x.shape[0]} is not divisible by {k} micro-batches")
+    return x.reshape(k, x.shape[0] // k, *x.shape[1:])
+
+  return jax.tree.map(split, batch)
+
+
+def make_train_step(optimizer, loss, *, num_microbatches: int = 1, donate: bool = True):
+  """Build the jitted train step for `loss` (see module docstring)."""
+  if num_microbatches < 1:
+    raise ValueError(f"num_microbatches must be >= 1, got {num_microbatches}")
+
+  def step_fn(state: TrainState, batch):
+    denom = jnp.maximum(loss.denominator(batch), 1.0)
+    grad_fn = jax.grad(lambda p, mb: loss(p, mb), has_aux=True)
+    zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), state.params)
+
+    if num_microbatches == 1:
+      g, aux = grad_fn(state.params, batch)
+    else:
+      micro_batches = _split_micro(batch, num_microbatches)
+      _, aux0 = jax.eval_shape(grad_fn, state.params, jax.tree.map(lambda x: x[0], micro_batches))
+      init = (zeros, jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), aux0))
+
+      def body(carry, mb):
+        grads, aux_sum = carry
+        g, aux = grad_fn(state.params, mb)
+        grads = jax.tree.map(lambda a, b: a + b.astype(jnp.float32), grads, g)
+        return (grads, jax.tree.map(jnp.add, aux_sum, aux)), None
+
+      (g, aux), _ = jax.lax.scan(body, init, micro_batches)
+    grads = jax.tree.map(lambda x: x.astype(jnp.float32) / denom, g)
+    updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    metrics = {k: s / jnp.maximum(c, 1e-9) for k, (s, c) in aux.items()}
+    metrics.update(
+      {
+        "opt/grad_norm": optax.global_norm(grads),
+        "opt/param_norm": optax.global_norm(params),
+        "opt/update_norm": optax.global_norm(updates),
+        "opt/lr": jnp.asarray(optimizer.lr_fn(state.step), jnp.float32),
+        "opt/loss_tokens": denom,
+      }
+    )
+    metrics = {k: jnp.asarray(v, jnp.float32) for k, v in metrics.items()}
+    return TrainState(params=params, opt_state=opt_state, step=state.step + 1), metrics
+
+  return _PinnedStep(step_fn, donate)
+
+
+class _PinnedStep:
+  """jit(step_fn) whose output state keeps the input state's shardings (taken on the first
+  call), so the state fed back in hits the same compiled program: one compile per run."""
+
+  def __init__(self, step_fn, donate: bool):
+    self._fn = step_fn
+    self._donate = (0,) if donate else ()
+    self._jitted = None
+
+  def __call__(self, state, batch):
+    if self._jitted is None:
+      self._jitted = jax.jit(
+        self._fn, donate_argnums=self._donate, out_shardings=(state_shardings(state), None)
+      )
+    return self._jitted(state, batch)
+
+  def _cache_size(self) -> int:
+    return 0 if self._jitted is None else self._jitted._cache_size()

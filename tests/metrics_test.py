@@ -1,0 +1,125 @@
+"""Tests for jaxrl.metrics: JSONL records, resume truncation, TensorBoard files, plots, progress."""
+
+import json
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxrl.metrics import MetricsWriter, Progress, plot_curves, read_jsonl
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def test_write_converts_scalars_and_appends(tmp_path):
+  with MetricsWriter(tmp_path, use_tensorboard=False) as w:
+    w.write(0, {"rl/kl": jnp.float32(0.5), "opt/grad_norm": np.float64(2.0), "n": np.int32(3)})
+    w.write(1, {"sft/loss": jnp.array([1.25]), "ok": np.bool_(True)}, phase="sft")
+  with MetricsWriter(tmp_path, use_tensorboard=False) as w:  # a resumed run appends
+    w.write(2, {"rl/kl": 0.25})
+  lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+  assert [json.loads(line) for line in lines] == [
+    {"step": 0, "phase": "rl", "rl/kl": 0.5, "opt/grad_norm": 2.0, "n": 3},
+    {"step": 1, "phase": "sft", "sft/loss": 1.25, "ok": True},
+    {"step": 2, "phase": "rl", "rl/kl": 0.25},
+  ]
+  assert isinstance(json.loads(lines[0])["n"], int)
+  assert list(json.loads(lines[0])) == ["step", "phase", "rl/kl", "opt/grad_norm", "n"]
+  assert read_jsonl(tmp_path / "metrics.jsonl") == [json.loads(line) for line in lines]
+
+
+def test_write_rejects_bad_metrics(tmp_path):
+  with MetricsWriter(tmp_path, use_tensorboard=False) as w:
+    with pytest.raises(ValueError, match="'rl/adv'.*shape \\(3,\\)"):
+      w.write(0, {"rl/adv": jnp.zeros(3)})
+    with pytest.raises(ValueError, match="reserved"):
+      w.write(0, {"step": 1})
+
+
+def test_truncate_after_drops_only_rerun_steps_of_that_phase(tmp_path):
+  with MetricsWriter(tmp_path, use_tensorboard=False) as w:
+    for s in range(4):
+      w.write(s, {"sft/loss": float(s)}, phase="sft")
+    for s in range(5):
+      w.write(s, {"rl/reward_mean": float(s)}, phase="rl")
+  # Resume RL from the checkpoint at step 3: steps 3 and 4 will be re-run.
+  with MetricsWriter(tmp_path, use_tensorboard=False) as w:
+    assert w.truncate_after("rl", 3) == 2
+    w.write(3, {"rl/reward_mean": 30.0})
+  got = [(r["phase"], r["step"]) for r in read_jsonl(tmp_path / "metrics.jsonl")]
+  assert got == [("sft", s) for s in range(4)] + [("rl", s) for s in range(4)]
+  assert read_jsonl(tmp_path / "metrics.jsonl")[-1]["rl/reward_mean"] == 30.0
+
+
+def test_torn_last_line_is_ignored_and_dropped_on_truncate(tmp_path):
+  path = tmp_path / "metrics.jsonl"
+  path.write_text('{"step": 0, "phase": "rl", "x": 1.0}\n{"step": 1, "pha')
+  assert read_jsonl(path) == [{"step": 0, "phase": "rl", "x": 1.0}]
+  with MetricsWriter(tmp_path, use_tensorboard=False) as w:
+    w.truncate_after("rl", 1)
+    w.write(1, {"x": 2.0})
+  assert [r["step"] for r in read_jsonl(path)] == [0, 1]
+
+
+def test_corrupt_middle_line_names_file_and_line(tmp_path):
+  path = tmp_path / "metrics.jsonl"
+  path.write_text('{"step": 0}\nnot json\n{"step": 2}\n')
+  with pytest.raises(ValueError, match="metrics.jsonl:2"):
+    read_jsonl(path)
+
+
+def test_tensorboard_event_files_exist(tmp_path):
+  with MetricsWriter(tmp_path) as w:
+    w.write(0, {"rl/kl": 0.1, "opt/grad_norm": 1.0, "note": "text is skipped"})
+    w.write(1, {"rl/kl": 0.2, "opt/grad_norm": 0.9})
+    w.flush()
+  events = list((tmp_path / "tb").glob("events.out.tfevents.*"))
+  assert events and all(e.stat().st_size > 0 for e in events)
+
+
+def test_disabled_writer_writes_nothing(tmp_path):
+  with MetricsWriter(tmp_path / "w", enabled=False) as w:
+    assert w.write(0, {"x": 1.0}) == {"step": 0, "phase": "rl", "x": 1.0}
+  assert not (tmp_path / "w").exists()
+
+
+def test_plot_curves_writes_png_for_both_phases(tmp_path):
+  with MetricsWriter(tmp_path, use_tensorboard=False) as w:
+    for s in range(6):
+      w.write(s, {"sft/loss": 2.0 - 0.2 * s, "global_step": s}, phase="sft")
+    for s in range(10):
+      metrics = {"rl/reward_mean": 0.1 * s, "global_step": 6 + s}
+      if s % 3 == 0:  # eval metrics only every few steps
+        metrics["eval/accuracy"] = 0.3 + 0.02 * s
+      w.write(s, metrics, phase="rl")
+  out = plot_curves(
+    tmp_path / "metrics.jsonl",
+    tmp_path / "plots" / "curves.png",
+    panels=[
+      ("reward", ["rl/reward_mean"]),
+      ("held-out accuracy", ["eval/accuracy"]),
+      ("sft loss", ["sft/loss", "missing/key"]),
+    ],
+  )
+  data = out.read_bytes()
+  assert out == tmp_path / "plots" / "curves.png"
+  assert data.startswith(PNG_SIGNATURE) and len(data) > 1000
+  assert not list(out.parent.glob("*.tmp"))
+
+
+def test_plot_curves_without_global_step_or_data(tmp_path):
+  path = tmp_path / "metrics.jsonl"
+  path.write_text('{"step": 0, "phase": "rl", "rl/reward_mean": 0.5}\n')
+  out = plot_curves(path, tmp_path / "c.png", panels=[("a", ["rl/reward_mean"]), ("b", ["x"])])
+  assert out.read_bytes().startswith(PNG_SIGNATURE)
+
+
+def test_progress_shows_compact_postfix(capsys):
+  with Progress(total=3, desc="rl") as p:
+    p.update(1, **{"rl/reward_mean": jnp.float32(0.123456), "opt/grad_norm": 2})
+    p.update(2)
+    assert p._bar.n == 3
+    assert p._bar.postfix == "reward_mean=0.1235, grad_norm=2"
+  with Progress(total=3, enabled=False) as p:
+    p.update(3, loss=1.0)
+  assert capsys.readouterr().out == ""
