@@ -51,6 +51,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     b2=0.999,
     grad_clip=1.0,
     num_microbatches=1,
+    num_minibatches=1,
+    ppo_epochs=1,
   )
   c.eval = dict(every=10, num_examples=512, batch_size=256)
   c.checkpoint = dict(every=25, max_to_keep=2)

@@ -88,7 +88,9 @@ class RLConfig:
   weight_decay: float = _field(0.0, lo=0.0)
   b2: float = _field(0.999, lo=0.0, hi=1.0, lo_open=True)
   grad_clip: float = _field(1.0, lo=0.0)
-  num_microbatches: int = _field(1, lo=1)
+  num_microbatches: int = _field(1, lo=1, help="gradient accumulation within one update")
+  num_minibatches: int = _field(1, lo=1, help="optimizer updates per rollout batch and epoch")
+  ppo_epochs: int = _field(1, lo=1, help="passes over each rollout batch")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -195,10 +197,17 @@ def validate(cfg) -> Config:
   )
   b_rl = c.rl.prompts_per_step * c.rl.group_size
   check(
-    b_rl % c.rl.num_microbatches == 0,
+    b_rl % c.rl.num_minibatches == 0,
+    "rl.num_minibatches",
+    c.rl.num_minibatches,
+    f"a divisor of rl.prompts_per_step * rl.group_size = {b_rl}",
+  )
+  mini = b_rl // c.rl.num_minibatches
+  check(
+    mini % c.rl.num_microbatches == 0,
     "rl.num_microbatches",
     c.rl.num_microbatches,
-    f"a divisor of rl.prompts_per_step * rl.group_size = {b_rl}",
+    f"a divisor of the mini-batch size {mini} (= prompts_per_step * group_size / num_minibatches)",
   )
   check(
     c.sft.batch_size % c.sft.num_microbatches == 0,

@@ -106,7 +106,7 @@ class MetricsWriter:
       return record
     if self._file is None:
       # Line-buffered so that each record reaches the file whole, even if the run dies.
-      self._file = open(self.path, "a", buffering=1)  # noqa: SIM115
+      self._file = open(self.path, "a", buffering=1)
     self._file.write(json.dumps(record) + "\n")
     if self.use_tensorboard:
       self._write_tensorboard(record)
@@ -164,8 +164,22 @@ class MetricsWriter:
     self.close()
 
 
-def _x(record: dict) -> float:
-  return record.get("global_step", record["step"])
+def _global_x(records: list[dict]) -> list[float]:
+  """Each record's position on one step axis across phases.
+
+  "global_step" when a record has it. Otherwise its step, shifted past the end of the
+  earlier phases when its phase restarts counting (RL step 0 after SFT step 99 -> 100).
+  """
+  phases: dict[Any, list[dict]] = {}
+  for r in records:
+    phases.setdefault(r.get("phase"), []).append(r)
+  offset: dict[Any, float] = {}
+  end = -math.inf
+  for phase, rs in phases.items():
+    own = [r["step"] for r in rs if "global_step" not in r]
+    offset[phase] = end + 1 - min(own) if own and end >= min(own) else 0
+    end = max(end, *(r.get("global_step", r["step"] + offset[phase]) for r in rs))
+  return [r.get("global_step", r["step"] + offset[r.get("phase")]) for r in records]
 
 
 def plot_curves(
@@ -177,8 +191,8 @@ def plot_curves(
   """Draws one panel per `(title, metric keys)` against the global step; returns `out_png`.
 
   Records lacking a key are skipped for that key, so sparse eval metrics still plot. The x
-  axis is "global_step" when records carry it, else "step". When more than one phase is
-  present, a dashed vertical line marks where each later phase starts (SFT -> RL).
+  axis is "global_step" when records carry it, else "step" continued across phases (see
+  `_global_x`). A dashed vertical line marks where each later phase starts (SFT -> RL).
   """
   records = read_jsonl(jsonl_path)
   out_png = Path(out_png)
@@ -186,28 +200,39 @@ def plot_curves(
   FigureCanvasAgg(fig)  # Agg without pyplot: no global backend switch, safe off the main thread.
   axes = fig.subplots(max(len(panels), 1), 1, sharex=True, squeeze=False)[:, 0]
 
-  # Start of each phase after the first, in order of first appearance.
+  xs_all = _global_x(records)
+  # Where each phase starts, in order of first appearance.
   phase_start: dict[str, float] = {}
-  for r in records:
+  for r, x in zip(records, xs_all, strict=True):
     if "phase" in r:
-      phase_start.setdefault(r["phase"], _x(r))
-  boundaries = list(phase_start.items())[1:]
+      phase_start[r["phase"]] = min(x, phase_start.get(r["phase"], x))
+  names = list(phase_start)
+  boundaries = [(f"{a}→{b}", phase_start[b]) for a, b in zip(names, names[1:], strict=False)]
 
   for ax, (title, keys) in zip(axes, panels, strict=False):
     drawn = False
     for key in keys:
-      pts = [
-        (_x(r), r[key])
-        for r in records
-        if isinstance(r.get(key), int | float) and not isinstance(r.get(key), bool)
-      ]
-      pts = [(x, y) for x, y in pts if math.isfinite(y)]
-      if not pts:
-        continue
-      xs, ys = zip(*sorted(pts), strict=True)
-      # Markers keep sparse series (eval every N steps) visible as points.
-      ax.plot(xs, ys, marker="o" if len(xs) <= 50 else None, markersize=3, label=key)
-      drawn = True
+      # One segment per phase, in one colour: without a global_step the phases' step axes
+      # overlap, and a single sorted line would zig-zag between them.
+      segments: dict[Any, list[tuple[float, float]]] = {}
+      for r, x in zip(records, xs_all, strict=True):
+        y = r.get(key)
+        if isinstance(y, int | float) and not isinstance(y, bool) and math.isfinite(y):
+          segments.setdefault(r.get("phase"), []).append((x, y))
+      color = None
+      for pts in segments.values():
+        xs, ys = zip(*sorted(pts), strict=True)
+        # Markers keep sparse series (eval every N steps) visible as points.
+        (line,) = ax.plot(
+          xs,
+          ys,
+          marker="o" if len(xs) <= 50 else None,
+          markersize=3,
+          color=color,
+          label=key if color is None else None,
+        )
+        color = line.get_color()
+        drawn = True
     for name, x in boundaries:
       ax.axvline(x, color="gray", linestyle="--", linewidth=1)
       ax.text(x, 1.0, f" {name}", transform=ax.get_xaxis_transform(), va="top", fontsize=8)
@@ -217,7 +242,7 @@ def plot_curves(
       ax.text(0.5, 0.5, "no data", transform=ax.transAxes, ha="center", va="center")
     ax.set_title(title)
     ax.grid(alpha=0.3)
-  axes[-1].set_xlabel("global step" if any("global_step" in r for r in records) else "step")
+  axes[-1].set_xlabel("global step")
 
   out_png.parent.mkdir(parents=True, exist_ok=True)
   # Render to a temporary name and rename, so a viewer never sees a half-written PNG.

@@ -36,13 +36,13 @@ class ByteTokenizer:
     out = bytearray()
     for i in ids:
       i = int(i)
+      if not 0 <= i < self.vocab_size:  # before the special check: negative ids are not specials
+        raise ValueError(f"token {i} is outside the byte vocabulary [0, {self.vocab_size})")
       if i == self.eos_id and skip_special:
         break
       if i < self.num_special:
         if skip_special:
           continue
         raise ValueError(f"token {i} is a special token and has no byte form")
-      if i >= self.vocab_size:
-        raise ValueError(f"token {i} is outside the byte vocabulary [0, {self.vocab_size})")
       out.append(i - self.num_special)
     return out.decode("utf-8", errors="replace")

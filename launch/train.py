@@ -1,12 +1,23 @@
 """Train with a config file: python -m launch.train --config=configs/grpo_arith.py[:smoke]."""
 
+import sys
+
 from absl import app, flags, logging
 from ml_collections import config_flags
 
 _CONFIG = config_flags.DEFINE_config_file(
-  "config", None, "Path to a configs/*.py file.", lock_config=True
+  "config", None, "Path to a configs/*.py file, optionally with :variant.", lock_config=True
 )
 flags.mark_flags_as_required(["config"])
+
+
+def _parse_flags(argv):
+  """absl parsing, with config_flags' errors (unknown or mistyped field) as one clear line."""
+  try:
+    return flags.FLAGS(argv)
+  except (flags.Error, AttributeError, KeyError, TypeError, ValueError) as e:
+    msg = " ".join(str(e).replace("\\n", " ").split())
+    sys.exit(f"error in command-line flags: {msg}")
 
 
 def main(argv):
@@ -14,11 +25,13 @@ def main(argv):
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO
   # Imported here so that --help and flag errors do not pay for importing jax.
-  from jaxrl.config import validate
+  from jaxrl.config import ConfigError, validate
   from jaxrl.rl.loop import Trainer
 
-  cfg = validate(_CONFIG.value)
-  trainer = Trainer(cfg)
+  try:
+    trainer = Trainer(validate(_CONFIG.value))
+  except ConfigError as e:
+    sys.exit(f"error in config: {e}")
   try:
     trainer.run()
   finally:
@@ -26,4 +39,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  app.run(main, flags_parser=_parse_flags)

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxrl.metrics import MetricsWriter, Progress, plot_curves, read_jsonl
+from jaxrl.metrics import MetricsWriter, Progress, _global_x, plot_curves, read_jsonl
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -112,6 +112,15 @@ def test_plot_curves_without_global_step_or_data(tmp_path):
   path.write_text('{"step": 0, "phase": "rl", "rl/reward_mean": 0.5}\n')
   out = plot_curves(path, tmp_path / "c.png", panels=[("a", ["rl/reward_mean"]), ("b", ["x"])])
   assert out.read_bytes().startswith(PNG_SIGNATURE)
+
+
+def test_global_x_continues_steps_across_phases():
+  sft = [{"step": s, "phase": "sft"} for s in range(3)]
+  # RL restarting at 0 continues after SFT; RL already counting globally is left alone.
+  assert _global_x(sft + [{"step": s, "phase": "rl"} for s in range(2)]) == [0, 1, 2, 3, 4]
+  assert _global_x(sft + [{"step": s, "phase": "rl"} for s in (3, 4)]) == [0, 1, 2, 3, 4]
+  explicit = [{"step": s, "phase": "rl", "global_step": 10 + s} for s in range(2)]
+  assert _global_x(sft + explicit) == [0, 1, 2, 10, 11]
 
 
 def test_progress_shows_compact_postfix(capsys):

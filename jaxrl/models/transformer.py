@@ -61,9 +61,14 @@ class Transformer(nnx.Module):
 
 
 def make_model(cfg: ModelConfig, seed: int = 0) -> tuple[nnx.GraphDef, nnx.State]:
-  """Build a model and split it once into (graphdef, params); hot paths take `params`."""
-  model = Transformer(cfg, rngs=nnx.Rngs(params=seed))
-  return nnx.split(model)
+  """Build a model and split it once into (graphdef, params); hot paths take `params`.
+
+  Initialisation runs as one jitted program: eagerly, every parameter shape would compile its
+  own random-number kernel (seconds each on CPU).
+  """
+  graphdef, _ = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(params=seed))))
+  params = jax.jit(lambda: nnx.split(Transformer(cfg, rngs=nnx.Rngs(params=seed)))[1])()
+  return graphdef, params
 
 
 def apply(graphdef: nnx.GraphDef, params: nnx.State, *args, **kwargs):

@@ -90,7 +90,7 @@ class Trainer:
     self.rl_opt = make_optimizer(
       learning_rate=rl.learning_rate,
       warmup_steps=rl.warmup_steps,
-      total_steps=rl.steps,
+      total_steps=rl.steps * rl.num_minibatches * rl.ppo_epochs,  # schedules count updates
       weight_decay=rl.weight_decay,
       b2=rl.b2,
       grad_clip=rl.grad_clip,
@@ -160,7 +160,9 @@ class Trainer:
       keys = row_keys(self.base_key, np.arange(bs))
       out = jax.device_get(self.greedy_fn(params, toks, mask, keys))
       texts = self._completions(out.tokens, out.lengths)[: len(chunk)]
-      r, _ = rewards.compute_rewards(self.reward_fn, texts, chunk, on_error="zero")
+      r, _ = rewards.compute_rewards(
+        self.reward_fn, texts, chunk, on_error=self.cfg.reward.on_error
+      )
       correct.extend(r.tolist())
       lengths.extend(out.lengths[: len(chunk)].tolist())
     return {
@@ -280,8 +282,7 @@ class Trainer:
       t0 = time.perf_counter()
       batch, stats = self.rl_batch(step, next(it))
       t1 = time.perf_counter()
-      self.state, m = self.rl_step(self.state, self._shard_batch(batch))
-      m = {k: float(v) for k, v in jax.device_get(m).items()}
+      m = self._update(step, batch)
       done = step + 1
       m.update(stats, **{"time/rollout_s": t1 - t0, "time/train_s": time.perf_counter() - t1})
       if self.cfg.eval.every and done % self.cfg.eval.every == 0 or done == rl.steps:
@@ -295,6 +296,33 @@ class Trainer:
     progress.close()
     if stop == rl.steps:
       self.summary["accuracy_after_rl"] = self.evaluate(self.state.params)["eval/accuracy"]
+
+  def _update(self, step: int, batch) -> dict:
+    """ppo_epochs passes over the rollout batch in num_minibatches shuffled optimizer updates.
+
+    Every update reads the same behaviour log-probs, so later updates are off-policy by the
+    earlier ones and the clip acts. Metrics are averaged over updates, except the
+    sampler-vs-learner log-prob gap, taken from the first update (before the policy moved).
+    """
+    rl = self.cfg.rl
+    n = batch.size
+    size = n // rl.num_minibatches
+    history = []
+    for epoch in range(rl.ppo_epochs):
+      if rl.num_minibatches == 1:
+        order = np.arange(n)
+      else:
+        order = np.random.default_rng([self.cfg.seed, step, epoch]).permutation(n)
+      for i in range(rl.num_minibatches):
+        idx = order[i * size : (i + 1) * size]
+        mb = jax.tree.map(lambda x, idx=idx: x[idx], batch)
+        self.state, m = self.rl_step(self.state, self._shard_batch(mb))
+        history.append(m)
+    history = jax.device_get(history)
+    out = {k: float(np.mean([h[k] for h in history])) for k in history[0]}
+    out["rl/logprob_gap"] = float(history[0]["rl/logprob_gap"])
+    out["rl/updates"] = float(len(history))
+    return out
 
   def _save_rl(self, step: int, it, *, force: bool) -> None:
     state = {"train": self.state, "rng": jax.random.key_data(self.base_key)}

@@ -36,9 +36,11 @@ def make_optimizer(
   schedule: str = "cosine",
 ) -> Optimizer:
   """AdamW with global-norm clipping and linear warmup, then cosine decay (to 10%) or constant."""
+  # warmup_steps=0 means no warmup: full rate from the first update (not a wasted step at 0).
+  start = 0.0 if warmup_steps > 0 else learning_rate
   if schedule == "cosine":
     lr = optax.warmup_cosine_decay_schedule(
-      0.0,
+      start,
       learning_rate,
       max(warmup_steps, 1),
       max(total_steps, warmup_steps + 1),
@@ -47,7 +49,7 @@ def make_optimizer(
   elif schedule == "constant":
     lr = optax.join_schedules(
       [
-        optax.linear_schedule(0.0, learning_rate, max(warmup_steps, 1)),
+        optax.linear_schedule(start, learning_rate, max(warmup_steps, 1)),
         optax.constant_schedule(learning_rate),
       ],
       [max(warmup_steps, 1)],
@@ -137,9 +139,9 @@ def make_train_step(optimizer, loss, *, num_microbatches: int = 1, donate: bool 
     metrics = {k: s / jnp.maximum(c, 1e-9) for k, (s, c) in aux.items()}
     metrics.update(
       {
-        "opt/grad_norm": optax.global_norm(grads),
-        "opt/param_norm": optax.global_norm(params),
-        "opt/update_norm": optax.global_norm(updates),
+        "opt/grad_norm": optax.tree.norm(grads),
+        "opt/param_norm": optax.tree.norm(params),
+        "opt/update_norm": optax.tree.norm(updates),
         "opt/lr": jnp.asarray(optimizer.lr_fn(state.step), jnp.float32),
         "opt/loss_tokens": denom,
       }

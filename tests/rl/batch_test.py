@@ -1,0 +1,83 @@
+"""TrainBatch construction: from_rollout and supervised column layout, masks and errors."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxrl.rl.batch import TrainBatch, from_rollout, supervised
+from jaxrl.rollout.sampler import Rollout
+
+F, T_ = False, True
+
+
+def _rollout():
+  # B = 2, P = 3 (left-padded prompts), N = 4 (EOS = 2, pad = 0 after it).
+  return Rollout(
+    prompt_tokens=jnp.array([[0, 5, 6], [7, 8, 9]], jnp.int32),
+    prompt_mask=jnp.array([[F, T_, T_], [T_, T_, T_]]),
+    tokens=jnp.array([[11, 12, 2, 0], [13, 14, 15, 16]], jnp.int32),
+    mask=jnp.array([[T_, T_, T_, F], [T_, T_, T_, T_]]),
+    logprobs=jnp.array([[-0.5, -1.0, -1.5, 0.0], [-0.1, -0.2, -0.3, -0.4]], jnp.float32),
+    lengths=jnp.array([3, 4], jnp.int32),
+    truncated=jnp.array([F, T_]),
+  )
+
+
+def test_from_rollout_layout():
+  batch = from_rollout(_rollout(), np.array([1.5, -0.5]), version=7)
+  assert isinstance(batch, TrainBatch) and batch.size == 2
+  np.testing.assert_array_equal(batch.tokens, [[0, 5, 6, 11, 12, 2, 0], [7, 8, 9, 13, 14, 15, 16]])
+  np.testing.assert_array_equal(
+    batch.valid, [[F, T_, T_, T_, T_, T_, F], [T_, T_, T_, T_, T_, T_, T_]]
+  )
+  # The loss covers completion tokens only (EOS included, padding after it excluded).
+  np.testing.assert_array_equal(batch.loss_mask, [[0, 0, 0, 1, 1, 1, 0], [0, 0, 0, 1, 1, 1, 1]])
+  assert batch.loss_mask.dtype == jnp.float32
+  np.testing.assert_array_equal(
+    batch.advantages, [[0, 0, 0, 1.5, 1.5, 1.5, 0], [0, 0, 0, -0.5, -0.5, -0.5, -0.5]]
+  )
+  old = np.array([[0, 0, 0, -0.5, -1.0, -1.5, 0], [0, 0, 0, -0.1, -0.2, -0.3, -0.4]], np.float32)
+  np.testing.assert_array_equal(batch.old_logprobs, old)
+  assert batch.ref_logprobs.shape == (2, 7) and np.all(np.asarray(batch.ref_logprobs) == 0)
+  np.testing.assert_array_equal(
+    batch.versions, [[-1, -1, -1, 7, 7, 7, -1], [-1, -1, -1, 7, 7, 7, 7]]
+  )
+  assert batch.versions.dtype == jnp.int32
+  for x in (batch.advantages, batch.old_logprobs, batch.ref_logprobs):
+    assert x.dtype == jnp.float32
+
+
+def test_from_rollout_masks_reference_logprobs():
+  ref = jnp.full((2, 7), -2.0, jnp.float32)
+  batch = from_rollout(_rollout(), np.zeros(2), version=0, ref_logprobs=ref)
+  np.testing.assert_array_equal(batch.ref_logprobs, -2.0 * np.asarray(batch.loss_mask))
+  np.testing.assert_array_equal(batch.versions, np.where(batch.loss_mask > 0, 0, -1))
+
+
+def test_supervised_layout():
+  batch = supervised(
+    np.array([[0, 5, 6], [7, 8, 9]], np.int32),
+    np.array([[F, T_, T_], [T_, T_, T_]]),
+    [[10, 11, 2], [12, 2]],
+    max_new_tokens=4,
+    pad_id=0,
+  )
+  assert batch.size == 2
+  np.testing.assert_array_equal(batch.tokens, [[0, 5, 6, 10, 11, 2, 0], [7, 8, 9, 12, 2, 0, 0]])
+  np.testing.assert_array_equal(
+    batch.valid, [[F, T_, T_, T_, T_, T_, F], [T_, T_, T_, T_, T_, F, F]]
+  )
+  np.testing.assert_array_equal(batch.loss_mask, [[0, 0, 0, 1, 1, 1, 0], [0, 0, 0, 1, 1, 0, 0]])
+  assert batch.tokens.dtype == np.int32 and batch.loss_mask.dtype == np.float32
+  for x in (batch.advantages, batch.old_logprobs, batch.ref_logprobs):
+    assert x.shape == (2, 7) and x.dtype == np.float32 and np.all(x == 0)
+  np.testing.assert_array_equal(batch.versions, np.full((2, 7), -1))
+
+
+def test_supervised_exact_fit_and_too_long_completion():
+  prompt, pmask = np.array([[1, 2]], np.int32), np.array([[T_, T_]])
+  kw = dict(max_new_tokens=3, pad_id=0)
+  batch = supervised(prompt, pmask, [[3, 4, 2]], **kw)
+  np.testing.assert_array_equal(batch.loss_mask, [[0, 0, 1, 1, 1]])
+  with pytest.raises(ValueError, match=r"completion 1 has 4 tokens > max_new_tokens=3"):
+    supervised(prompt.repeat(2, 0), pmask.repeat(2, 0), [[3], [3, 4, 5, 2]], **kw)
