@@ -22,17 +22,17 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.mesh = dict(data=1, fsdp=-1, tensor=1, rules="fsdp_tp")
   c.model = dict(preset="arith_small", dtype="float32")
   c.task = dict(name="arithmetic", max_digits=2, ops="+-", held_out_fraction=0.1,
-                allow_negative=False)  # fmt: skip
+                allow_negative=False, operand_dist="uniform")  # fmt: skip
   c.reward = dict(name="exact_match", on_error="raise")
 
-  c.sft = dict(steps=300, batch_size=64, learning_rate=1e-3, warmup_steps=20, weight_decay=0.0,
-               num_microbatches=1)  # fmt: skip
+  c.sft = dict(steps=900, batch_size=64, learning_rate=3e-3, warmup_steps=20, weight_decay=0.0,
+               num_microbatches=1, operand_dist="by_digits")  # fmt: skip
   c.rl = dict(
-    steps=150,
-    prompts_per_step=32,
+    steps=250,
+    prompts_per_step=64,
     group_size=8,
-    max_prompt_len=8,
-    max_new_tokens=6,
+    max_prompt_len=8,  # BOS + "99+99=" + 1 spare
+    max_new_tokens=6,  # "198" + EOS + 2 spare: a wrong, longer answer is scored, not cut
     temperature=1.0,
     top_k=0,
     top_p=1.0,
@@ -44,7 +44,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     eps_high=0.2,
     beta=0.0,
     kl_estimator="k3",
-    learning_rate=3e-4,
+    learning_rate=1e-4,
     lr_schedule="constant",
     warmup_steps=5,
     weight_decay=0.0,
@@ -55,7 +55,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     ppo_epochs=1,
   )
   c.eval = dict(every=10, num_examples=512, batch_size=256)
-  c.checkpoint = dict(every=25, max_to_keep=2)
+  c.checkpoint = dict(every=50, max_to_keep=2)
   c.log = dict(progress=True, tensorboard=True)
 
   if arg == "smoke":

@@ -46,6 +46,7 @@ class TaskConfig:
   ops: str = _field("+-", help="characters from '+-*'")
   held_out_fraction: float = _field(0.1, lo=0.0, hi=1.0, lo_open=True)
   allow_negative: bool = _field(False)
+  operand_dist: str = _field("uniform", choices=("uniform", "by_digits"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,6 +63,11 @@ class SFTConfig:
   warmup_steps: int = _field(20, lo=0)
   weight_decay: float = _field(0.0, lo=0.0)
   num_microbatches: int = _field(1, lo=1)
+  operand_dist: str = _field(
+    "by_digits",
+    choices=("uniform", "by_digits"),
+    help="the warm-start's own problem mix; by_digits over-weights short operands (a curriculum)",
+  )
 
 
 @dataclasses.dataclass(frozen=True)

@@ -19,6 +19,7 @@ _MAX_ATTEMPTS = 10_000
 # enumerate, which makes held_out() exact: it can say how many held-out problems exist and
 # draw all of them without a coupon-collector wait.
 _ENUMERATE_MAX_DIGITS = 2
+_OPERAND_DISTS = ("uniform", "by_digits")
 # Records are generated from `default_rng([seed, i])`; 2**40 indices is "infinite" for training.
 _TRAIN_INDEX_SPACE = 2**40
 
@@ -61,12 +62,16 @@ class ArithmeticTask:
     ops: operators to draw from, a non-empty subset of ('+', '-', '*').
     held_out_fraction: fraction of problems (by stable hash) reserved for evaluation, in (0, 1).
     allow_negative: for '-', when False the operands are swapped so the result is >= 0.
+    operand_dist: "uniform" draws each operand uniformly from [0, 10**max_digits), i.e. every
+      problem is equally likely and the held-out set is an i.i.d.-like sample of the training
+      distribution; "by_digits" first draws the digit count uniformly (easy problems weigh more).
   """
 
   max_digits: int = 2
   ops: tuple[str, ...] = ("+", "-")
   held_out_fraction: float = 0.1
   allow_negative: bool = False
+  operand_dist: str = "uniform"
 
   def __post_init__(self):
     if isinstance(self.max_digits, bool) or not isinstance(self.max_digits, int):
@@ -92,6 +97,8 @@ class ArithmeticTask:
       )
     if not isinstance(self.allow_negative, bool):
       raise ValueError(f"allow_negative must be a bool, got {self.allow_negative!r}")
+    if self.operand_dist not in _OPERAND_DISTS:
+      raise ValueError(f"operand_dist must be one of {_OPERAND_DISTS}, got {self.operand_dist!r}")
 
   # ---------------------------------------------------------------------------------- problems
 
@@ -115,8 +122,9 @@ class ArithmeticTask:
     return record["answer"]
 
   def _draw_operand(self, rng: np.random.Generator) -> int:
-    # Digit count first, then the value: uniform values would make almost every operand
-    # max_digits long and leave the easy problems unseen.
+    if self.operand_dist == "uniform":
+      return int(rng.integers(0, 10**self.max_digits))
+    # Digit count first, then the value: easy (short) operands weigh as much as long ones.
     lo, hi = _digit_range(int(rng.integers(1, self.max_digits + 1)))
     return int(rng.integers(lo, hi + 1))
 
@@ -131,8 +139,7 @@ class ArithmeticTask:
   def sample(self, rng: np.random.Generator, *, split: Split = "train") -> Record:
     """Draws one problem of `split` (rejection sampling on the held-out predicate).
 
-    Each operand's digit count is uniform in 1..max_digits and its value uniform among the
-    numbers with that many digits; the operator is uniform over `ops`.
+    Operands follow `operand_dist`; the operator is uniform over `ops`.
     """
     if split not in ("train", "held_out"):
       raise ValueError(f"split must be 'train' or 'held_out', got {split!r}")
@@ -151,10 +158,11 @@ class ArithmeticTask:
 
   def _held_out_problems(self) -> tuple[list[tuple[int, str, int]], np.ndarray]:
     """Every distinct held-out problem and its probability under `_draw` (small spaces only)."""
-    operand_p = np.empty(10**self.max_digits)
-    for digits in range(1, self.max_digits + 1):
-      lo, hi = _digit_range(digits)
-      operand_p[lo : hi + 1] = 1.0 / (self.max_digits * (hi - lo + 1))
+    operand_p = np.full(10**self.max_digits, 10.0**-self.max_digits)
+    if self.operand_dist == "by_digits":
+      for digits in range(1, self.max_digits + 1):
+        lo, hi = _digit_range(digits)
+        operand_p[lo : hi + 1] = 1.0 / (self.max_digits * (hi - lo + 1))
     probs: dict[tuple[int, str, int], float] = {}
     for op in self.ops:
       for a in range(operand_p.size):

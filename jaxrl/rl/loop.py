@@ -8,6 +8,7 @@ uninterrupted one bit for bit on CPU.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from pathlib import Path
@@ -55,6 +56,7 @@ class Trainer:
       ops=tuple(cfg.task.ops),
       held_out_fraction=cfg.task.held_out_fraction,
       allow_negative=cfg.task.allow_negative,
+      operand_dist=cfg.task.operand_dist,
     )
     self.reward_fn = rewards.get(cfg.reward.name)
     self.held_out = self.task.held_out(cfg.eval.num_examples, seed=cfg.seed)
@@ -186,7 +188,9 @@ class Trainer:
       return
     self.summary["accuracy_init"] = self.evaluate(params)["eval/accuracy"]
     state = init_state(params, self.sft_opt)
-    it = iter(self.task.train_dataset(seed=self.cfg.seed + 1, batch_size=cfg.batch_size))
+    # The warm-start has its own data mix; RL prompts and the held-out set follow `task`.
+    sft_task = dataclasses.replace(self.task, operand_dist=cfg.operand_dist)
+    it = iter(sft_task.train_dataset(seed=self.cfg.seed + 1, batch_size=cfg.batch_size))
     progress = Progress(total=cfg.steps, desc="sft", enabled=self.cfg.log.progress)
     for step in range(1, cfg.steps + 1):
       records = next(it)
@@ -345,7 +349,11 @@ class Trainer:
       png = plot_curves(
         self.workdir / "metrics.jsonl",
         self.workdir / "curves.png",
-        panels=[("reward", ["rl/reward_mean"]), ("held-out accuracy", ["eval/accuracy"])],
+        panels=[
+          ("SFT warm-start loss", ["sft/loss"]),
+          ("GRPO reward (sampled, T = rl.temperature)", ["rl/reward_mean"]),
+          ("held-out accuracy (greedy)", ["eval/accuracy"]),
+        ],
       )
       s = self.summary
       self.log(

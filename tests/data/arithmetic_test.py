@@ -116,7 +116,7 @@ def test_held_out_can_take_every_held_out_problem():
 
 
 def test_digit_count_coverage():
-  task = ArithmeticTask(max_digits=3, ops=("+",))
+  task = ArithmeticTask(max_digits=3, ops=("+",), operand_dist="by_digits")
   rng = np.random.default_rng(1)
   records = [task.sample(rng) for _ in range(3000)]
   for field in ("a", "b"):
@@ -125,6 +125,23 @@ def test_digit_count_coverage():
       assert 0.28 < np.mean(digits == d) < 0.39, (field, d)
   # Zero counts as a one-digit number, so it must show up.
   assert any(r["a"] == 0 for r in records)
+
+
+def test_uniform_operands_cover_the_range_evenly():
+  task = ArithmeticTask(max_digits=2, ops=("+",))
+  assert task.operand_dist == "uniform"
+  rng = np.random.default_rng(3)
+  a = np.array([task.sample(rng)["a"] for _ in range(4000)])
+  counts = np.bincount(a // 10, minlength=10)  # ten bins of ten values each
+  assert counts.min() > 0.8 * 400 and counts.max() < 1.2 * 400, counts
+  # The held-out set follows the same distribution: about 10% one-digit first operands.
+  held = task.held_out(500)
+  assert 0.04 < np.mean([r["a"] < 10 for r in held]) < 0.18
+
+
+def test_bad_operand_dist():
+  with pytest.raises(ValueError, match="operand_dist"):
+    ArithmeticTask(operand_dist="zipf")
 
 
 def test_subtraction_sign():
