@@ -92,7 +92,7 @@ def test_logits_match_hf_qwen3_with_left_padding(tie):
     ref = model(
       input_ids=torch.from_numpy(tokens).long(),
       attention_mask=torch.from_numpy(valid).long(),
-      position_ids=torch.from_numpy(np.asarray(positions_from_mask(valid))).long(),
+      position_ids=torch.from_numpy(np.array(positions_from_mask(valid))).long(),
     ).logits.numpy()
   np.testing.assert_allclose(np.asarray(logits)[valid], ref[valid], atol=1e-4, rtol=0)
 
