@@ -42,6 +42,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     loss_aggregation="token-mean",
     eps_low=0.2,
     eps_high=0.2,
+    dual_clip_c=3.0,
     beta=0.0,
     kl_estimator="k3",
     learning_rate=1e-4,

@@ -80,12 +80,13 @@ class RLConfig:
   temperature: float = _field(1.0, lo=0.0, lo_open=True)
   top_k: int = _field(0, lo=0)
   top_p: float = _field(1.0, lo=0.0, hi=1.0, lo_open=True)
-  advantage: str = _field("grpo", choices=("grpo",))
+  advantage: str = _field("grpo", help="a name in jaxrl.rl.advantages.ESTIMATORS")
   scale_by_std: bool = _field(True)
-  policy_loss: str = _field("ppo_clip", choices=("ppo_clip",))
-  loss_aggregation: str = _field("token-mean", choices=("token-mean",))
+  policy_loss: str = _field("ppo_clip", help="a name in jaxrl.rl.losses.POLICY_LOSSES")
+  loss_aggregation: str = _field("token-mean", help="one of jaxrl.rl.losses.AGGREGATIONS")
   eps_low: float = _field(0.2, lo=0.0, hi=1.0, lo_open=True)
   eps_high: float = _field(0.2, lo=0.0, lo_open=True)
+  dual_clip_c: float = _field(3.0, lo=1.0, lo_open=True, help="policy_loss='dual_clip' only")
   beta: float = _field(0.0, lo=0.0)
   kl_estimator: str = _field("k3", choices=("k1", "k2", "k3"))
   learning_rate: float = _field(1e-4, lo=0.0, lo_open=True)
@@ -197,6 +198,23 @@ def _check_value(path: str, value: Any, typ, meta) -> Any:
 def validate(cfg) -> Config:
   """Turn a ConfigDict (or dict) into a validated `Config`; raise `ConfigError` naming the field."""
   c = _convert(Config, _to_dict(cfg), "")
+  # Names looked up in registries, so that newly registered functions are valid config values.
+  from jaxrl.rl.advantages import ESTIMATORS
+  from jaxrl.rl.losses import AGGREGATIONS, POLICY_LOSSES
+
+  check(c.rl.advantage in ESTIMATORS.names(), "rl.advantage", c.rl.advantage, ESTIMATORS.names())
+  check(
+    c.rl.policy_loss in POLICY_LOSSES.names(),
+    "rl.policy_loss",
+    c.rl.policy_loss,
+    POLICY_LOSSES.names(),
+  )
+  check(
+    c.rl.loss_aggregation in AGGREGATIONS,
+    "rl.loss_aggregation",
+    c.rl.loss_aggregation,
+    list(AGGREGATIONS),
+  )
   # Cross-field checks.
   check(
     set(c.task.ops) <= set("+-*") and c.task.ops != "", "task.ops", c.task.ops, "chars of '+-*'"

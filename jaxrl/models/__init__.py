@@ -8,7 +8,7 @@ Logical parameter axes (mapped to mesh axes by the tables in `jaxrl.mesh`):
   "vocab", "embed", "q_heads", "kv_heads", "head_dim", "mlp", "norm".
 """
 
-from jaxrl.models.config import ModelConfig
+from jaxrl.models.config import ModelConfig, RopeScaling
 from jaxrl.models.transformer import Transformer, init_cache, make_model
 
-__all__ = ["ModelConfig", "Transformer", "init_cache", "make_model"]
+__all__ = ["ModelConfig", "RopeScaling", "Transformer", "init_cache", "make_model"]

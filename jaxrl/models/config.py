@@ -7,6 +7,30 @@ import dataclasses
 import jax.numpy as jnp
 
 _DTYPES = ("float32", "bfloat16", "float16")
+_ROPE_KINDS = ("llama3",)
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+  """RoPE frequency scaling; "llama3" is HF `_compute_llama3_parameters` (Llama 3.1 / 3.2)."""
+
+  kind: str = "llama3"
+  factor: float = 8.0
+  low_freq_factor: float = 1.0
+  high_freq_factor: float = 4.0
+  original_max_position: int = 8192
+
+  def __post_init__(self):
+    if self.kind not in _ROPE_KINDS:
+      raise ValueError(f"model.rope_scaling.kind={self.kind!r}; allowed: {_ROPE_KINDS}")
+    if self.factor <= 0:
+      raise ValueError(f"model.rope_scaling.factor={self.factor} must be > 0")
+    if not 0 < self.low_freq_factor < self.high_freq_factor:
+      raise ValueError(
+        f"model.rope_scaling needs 0 < low_freq_factor < high_freq_factor, got "
+        f"{self.low_freq_factor} and {self.high_freq_factor}"
+      )
+    _positive("rope_scaling.original_max_position", self.original_max_position)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -24,6 +48,8 @@ class ModelConfig:
   norm_eps: float = 1e-6
   qk_norm: bool = False
   tie_embeddings: bool = True
+  qkv_bias: bool = False  # Qwen2 / Qwen2.5: biases on the q, k and v projections
+  rope_scaling: RopeScaling | None = None
   max_seq_len: int = 2048
   dtype: str = "float32"  # activations / compute
   param_dtype: str = "float32"
@@ -42,6 +68,10 @@ class ModelConfig:
       raise ValueError(f"model.head_dim={self.head_dim} must be even for RoPE")
     if self.rope_theta <= 0 or self.norm_eps <= 0:
       raise ValueError("model.rope_theta and model.norm_eps must be > 0")
+    if self.rope_scaling is not None and not isinstance(self.rope_scaling, RopeScaling):
+      raise ValueError(
+        f"model.rope_scaling must be a RopeScaling or None, got {type(self.rope_scaling).__name__}"
+      )
     for name in ("dtype", "param_dtype"):
       if getattr(self, name) not in _DTYPES:
         raise ValueError(f"model.{name}={getattr(self, name)!r}; allowed: {_DTYPES}")

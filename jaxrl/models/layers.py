@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxrl.models.config import ModelConfig
+from jaxrl.models.config import ModelConfig, RopeScaling
 
 _NEG_INF = float(jnp.finfo(jnp.float32).min)
 
@@ -31,10 +31,32 @@ class RMSNorm(nnx.Module):
     return y.astype(x.dtype)
 
 
-def apply_rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
+def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None = None) -> jax.Array:
+  """Inverse RoPE frequencies [H/2] in float32, optionally with Llama-3 frequency scaling."""
+  inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+  if scaling is None:
+    return inv_freq
+  # Written as in HF `_compute_llama3_parameters` so the float32 rounding matches: long
+  # wavelengths are divided by `factor`, short ones kept, the band between interpolated.
+  old_len = scaling.original_max_position
+  low_freq_wavelen = old_len / scaling.low_freq_factor
+  high_freq_wavelen = old_len / scaling.high_freq_factor
+  wavelen = 2 * jnp.pi / inv_freq
+  scaled = jnp.where(wavelen > low_freq_wavelen, inv_freq / scaling.factor, inv_freq)
+  smooth = (old_len / wavelen - scaling.low_freq_factor) / (
+    scaling.high_freq_factor - scaling.low_freq_factor
+  )
+  smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+  medium = ~(wavelen < high_freq_wavelen) & ~(wavelen > low_freq_wavelen)
+  return jnp.where(medium, smoothed, scaled)
+
+
+def apply_rope(
+  x: jax.Array, positions: jax.Array, theta: float, scaling: RopeScaling | None = None
+) -> jax.Array:
   """Rotary embedding in the HF "rotate half" layout. x: [B, T, N, H]; positions: [B, T]."""
   h = x.shape[-1]
-  inv_freq = 1.0 / (theta ** (jnp.arange(0, h, 2, dtype=jnp.float32) / h))  # [H/2]
+  inv_freq = rope_inv_freq(h, theta, scaling)  # [H/2]
   angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, H/2]
   cos = jnp.cos(angles)[:, :, None, :]
   sin = jnp.sin(angles)[:, :, None, :]
@@ -82,7 +104,16 @@ class Attention(nnx.Module):
     )
     self.q_norm = RMSNorm(h, cfg.norm_eps, dtype=dt) if cfg.qk_norm else None
     self.k_norm = RMSNorm(h, cfg.norm_eps, dtype=dt) if cfg.qk_norm else None
+    # Zero-initialised (as HF does), so they draw no random numbers: with qkv_bias off the RNG
+    # stream, and hence every other parameter, is exactly what it was before biases existed.
+    if cfg.qkv_bias:
+      self.q_bias = nnx.Param(jnp.zeros((n, h), dt), axes=("q_heads", "head_dim"))
+      self.k_bias = nnx.Param(jnp.zeros((k, h), dt), axes=("kv_heads", "head_dim"))
+      self.v_bias = nnx.Param(jnp.zeros((k, h), dt), axes=("kv_heads", "head_dim"))
+    else:
+      self.q_bias = self.k_bias = self.v_bias = None
     self.rope_theta = cfg.rope_theta
+    self.rope_scaling = cfg.rope_scaling
 
   def __call__(self, x, positions, kv_valid, cache=None, cache_index=0):
     """x: [B, T, D]; positions: [B, T]; kv_valid: [B, S] (S = T without a cache).
@@ -94,10 +125,14 @@ class Attention(nnx.Module):
     q = jnp.einsum("BTD,DNH->BTNH", x, self.q[...].astype(dt))
     k = jnp.einsum("BTD,DKH->BTKH", x, self.k[...].astype(dt))
     v = jnp.einsum("BTD,DKH->BTKH", x, self.v[...].astype(dt))
+    if self.q_bias is not None:
+      q = q + self.q_bias[...].astype(dt)
+      k = k + self.k_bias[...].astype(dt)
+      v = v + self.v_bias[...].astype(dt)
     if self.q_norm is not None:
       q, k = self.q_norm(q), self.k_norm(k)
-    q = apply_rope(q, positions, self.rope_theta)
-    k = apply_rope(k, positions, self.rope_theta)
+    q = apply_rope(q, positions, self.rope_theta, self.rope_scaling)
+    k = apply_rope(k, positions, self.rope_theta, self.rope_scaling)
     if cache is not None:
       ck, cv = cache
       k = jax.lax.dynamic_update_slice_in_dim(ck, k.astype(ck.dtype), cache_index, axis=1)

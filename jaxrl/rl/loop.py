@@ -107,6 +107,8 @@ class Trainer:
       beta=rl.beta,
       kl_estimator=rl.kl_estimator,
       aggregation=rl.loss_aggregation,
+      clip_c=rl.dual_clip_c,
+      max_tokens=rl.max_new_tokens,
     )
     self.sft_step = make_train_step(
       self.sft_opt, SFTLoss(self.graphdef), num_microbatches=cfg.sft.num_microbatches
@@ -116,7 +118,9 @@ class Trainer:
     )
     self.advantage_fn = ESTIMATORS.get(rl.advantage)
     ck = cfg.checkpoint
-    self.sft_ckpt = Checkpointer(self.workdir / "checkpoints" / "sft", max_to_keep=ck.max_to_keep)
+    self.sft_ckpt = Checkpointer(
+      self.workdir / "checkpoints" / "sft", max_to_keep=ck.max_to_keep, save_every=ck.every
+    )
     self.rl_ckpt = Checkpointer(
       self.workdir / "checkpoints" / "rl", max_to_keep=ck.max_to_keep, save_every=ck.every
     )
@@ -174,25 +178,37 @@ class Trainer:
 
   # ------------------------------------------------------------------------------------ phases
 
-  def run_sft(self) -> None:
-    """Supervised warm-start on generated solutions; its final params seed RL (and the ref)."""
+  def run_sft(self, until: int | None = None) -> None:
+    """Supervised warm-start on generated solutions; its final params seed RL (and the ref).
+
+    Checkpointed every `checkpoint.every` steps with optimizer and data-iterator state, so an
+    interrupted warm-start resumes where it stopped. `until` stops (and checkpoints) after that
+    many steps without finishing the phase, as a preemption would.
+    """
     cfg = self.cfg.sft
     params = self.init_params
     latest = self.sft_ckpt.latest_step() if self.cfg.resume else None
-    if latest is not None and latest >= cfg.steps:
-      target = {"params": self._state_target(params)}
-      restored, meta = self.sft_ckpt.restore(latest, target)
-      self.sft_params = restored["params"]
-      self.summary.update(meta.get("summary", {}))
-      self.log(f"[jaxrl] SFT warm-start restored from {self.sft_ckpt.directory}/{latest}")
-      return
-    self.summary["accuracy_init"] = self.evaluate(params)["eval/accuracy"]
+    if latest is None:
+      self.summary["accuracy_init"] = self.evaluate(params)["eval/accuracy"]
     state = init_state(params, self.sft_opt)
     # The warm-start has its own data mix; RL prompts and the held-out set follow `task`.
     sft_task = dataclasses.replace(self.task, operand_dist=cfg.operand_dist)
     it = iter(sft_task.train_dataset(seed=self.cfg.seed + 1, batch_size=cfg.batch_size))
-    progress = Progress(total=cfg.steps, desc="sft", enabled=self.cfg.log.progress)
-    for step in range(1, cfg.steps + 1):
+    start = 0
+    if latest is not None:
+      restored, meta = self.sft_ckpt.restore(latest, {"train": self._state_target(state)})
+      state, start = restored["train"], latest
+      self.summary.update(meta.get("summary", {}))
+      if latest >= cfg.steps:
+        self.sft_params = state.params
+        self.log(f"[jaxrl] SFT warm-start restored from {self.sft_ckpt.directory}/{latest}")
+        return
+      it.set_state(meta["data"])
+      self.metrics.truncate_after("sft", start + 1)
+      self.log(f"[jaxrl] resumed SFT from step {start} in {self.sft_ckpt.directory}")
+    stop = cfg.steps if until is None else min(until, cfg.steps)
+    progress = Progress(total=cfg.steps, desc="sft", enabled=self.cfg.log.progress, initial=start)
+    for step in range(start + 1, stop + 1):
       records = next(it)
       toks, mask = self._prompts(records)
       comps = [
@@ -213,14 +229,19 @@ class Trainer:
         progress.update(1, loss=m["sft/loss"])
       else:
         progress.update(1)
+      if step < cfg.steps:
+        meta = {"data": it.get_state(), "phase": "sft", "summary": dict(self.summary)}
+        self.sft_ckpt.save(step, {"train": state}, meta, force=step == stop)
     progress.close()
+    if stop < cfg.steps:
+      self.sft_ckpt.wait()
+      return
     self.sft_params = state.params
     ev = self.evaluate(self.sft_params)
     self.summary["accuracy_after_sft"] = ev["eval/accuracy"]
     self.metrics.write(cfg.steps, {**ev, "global_step": cfg.steps}, phase="sft")
-    self.sft_ckpt.save(
-      cfg.steps, {"params": self.sft_params}, {"summary": dict(self.summary)}, force=True
-    )
+    meta = {"data": it.get_state(), "phase": "sft", "summary": dict(self.summary)}
+    self.sft_ckpt.save(cfg.steps, {"train": state}, meta, force=True)
     self.sft_ckpt.wait()
     self.log(
       f"[jaxrl] held-out accuracy: {self.summary['accuracy_init']:.3f} at init -> "

@@ -28,9 +28,14 @@ class GRPOLoss:
   beta: float = 0.0
   kl_estimator: str = "k3"
   aggregation: str = "token-mean"
+  clip_c: float = 3.0  # dual-clip bound for negative advantages
+  max_tokens: int | None = None  # the constant normaliser of "seq-mean-token-sum-norm"
+
+  def _aggregate(self, per_token, mask):
+    return aggregate(per_token, mask, self.aggregation, max_tokens=self.max_tokens)
 
   def denominator(self, batch):
-    return aggregate(jnp.zeros_like(batch.loss_mask), batch.loss_mask, self.aggregation)[1]
+    return self._aggregate(jnp.zeros_like(batch.loss_mask), batch.loss_mask)[1]
 
   def __call__(self, params, batch):
     logp, entropy = token_logprobs(
@@ -44,7 +49,13 @@ class GRPOLoss:
     mask = batch.loss_mask
     loss_fn = POLICY_LOSSES.get(self.policy_loss)
     pg, clipped = loss_fn(
-      logp, batch.old_logprobs, batch.advantages, eps_low=self.eps_low, eps_high=self.eps_high
+      logp,
+      batch.old_logprobs,
+      batch.advantages,
+      eps_low=self.eps_low,
+      eps_high=self.eps_high,
+      mask=mask,
+      clip_c=self.clip_c,
     )
     per_token = pg
     n = jnp.sum(mask)
@@ -53,11 +64,11 @@ class GRPOLoss:
       kl = kl_estimate(logp, batch.ref_logprobs, self.kl_estimator)
       per_token = per_token + self.beta * kl
       metrics["rl/kl"] = (jnp.sum(kl * mask), n)
-    total, _ = aggregate(per_token, mask, self.aggregation)
+    total, denom = self._aggregate(per_token, mask)
     gap = jnp.abs(logp - batch.old_logprobs) * mask
     metrics.update(
       {
-        "rl/loss": (total, n),
+        "rl/loss": (total, denom),
         "rl/pg_loss": (jnp.sum(pg * mask), n),
         "rl/entropy": (jnp.sum(entropy * mask), n),
         "rl/clip_frac": (jnp.sum(clipped * mask), n),

@@ -2,11 +2,12 @@
 
 import math
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxrl.rl.kl import kl_estimate
+from jaxrl.rl.kl import kl_estimate, kl_in_reward
 
 
 @pytest.mark.parametrize(
@@ -58,3 +59,32 @@ def test_k1_and_k3_are_unbiased_under_exact_expectation():
 def test_unknown_kind_raises_listing_valid():
   with pytest.raises(ValueError, match=r"unknown KL estimator 'k4'.*'k1', 'k2', 'k3'"):
     kl_estimate(jnp.zeros(2), jnp.zeros(2), "k4")
+
+
+def test_kl_in_reward_by_hand():
+  # pi = .5, pi_ref = .25: k1 = ln 2 per token. Reward 1 on the last valid token, beta .1; the
+  # padded token (log-probs -inf) keeps its reward and gets no penalty.
+  logp = jnp.log(jnp.array([[0.5, 0.5, 1.0]]))
+  ref = jnp.log(jnp.array([[0.25, 0.5, 0.0]]))
+  rewards = jnp.array([[0.0, 1.0, 0.0]])
+  mask = jnp.array([[True, True, False]])
+  got = kl_in_reward(rewards, logp, ref, 0.1, "k1", mask=mask)
+  np.testing.assert_allclose(got, [[-0.1 * math.log(2), 1.0, 0.0]], rtol=1e-6)
+  # k3 at r = 1/2: (1/2 - 1) + ln 2.
+  got = kl_in_reward(rewards[:, :2], logp[:, :2], ref[:, :2], 0.1, "k3")
+  np.testing.assert_allclose(got, [[-0.1 * (math.log(2) - 0.5), 1.0]], rtol=1e-6)
+
+
+def test_kl_in_reward_matches_numpy_is_zero_for_identical_policies_and_has_no_gradient():
+  rng = np.random.default_rng(3)
+  logp = rng.normal(-3.0, 1.0, size=(5, 7)).astype(np.float32)
+  ref = rng.normal(-3.0, 1.0, size=(5, 7)).astype(np.float32)
+  rewards = rng.normal(size=(5, 7)).astype(np.float32)
+  mask = rng.random((5, 7)) < 0.7
+  got = kl_in_reward(rewards, logp, ref, 0.05, "k1", mask=mask)
+  want = rewards - 0.05 * np.where(mask, logp.astype(np.float64) - ref, 0.0)
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+  np.testing.assert_array_equal(kl_in_reward(rewards, logp, logp, 0.05), rewards)
+  # The penalty is part of the reward, not a loss term: no gradient reaches the policy.
+  g = jax.grad(lambda lp: jnp.sum(kl_in_reward(rewards, lp, ref, 0.05, "k3")))(jnp.asarray(logp))
+  assert np.all(np.asarray(g) == 0.0)

@@ -125,6 +125,23 @@ def test_resume_repeats_an_uninterrupted_run(tmp_path):
     np.testing.assert_array_equal(a, b)
 
 
+def test_interrupted_warm_start_resumes_to_the_same_params(tmp_path):
+  full = Trainer(_config(tmp_path / "full"), log=lambda *_: None)
+  full.run_sft()
+  expect = [np.array(x) for x in jax.tree.leaves(full.sft_params)]
+  full.close()
+  part = Trainer(_config(tmp_path / "part"), log=lambda *_: None)
+  part.run_sft(until=7)  # checkpoint.every=2: the forced save at 7 is what resumes
+  assert part.sft_ckpt.latest_step() == 7
+  part.close()
+  resumed = Trainer(_config(tmp_path / "part"), log=lambda *_: None)
+  resumed.run_sft()
+  got = [np.array(x) for x in jax.tree.leaves(resumed.sft_params)]
+  resumed.close()
+  for a, b in zip(expect, got, strict=True):
+    np.testing.assert_array_equal(a, b)
+
+
 def test_reward_failure_is_reported_or_raised(tmp_path):
   from jaxrl import rewards
 

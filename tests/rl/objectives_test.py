@@ -10,6 +10,7 @@ import pytest
 from jaxrl.models import ModelConfig, make_model
 from jaxrl.models.transformer import apply, positions_from_mask
 from jaxrl.rl.batch import TrainBatch
+from jaxrl.rl.losses import AGGREGATIONS, POLICY_LOSSES, aggregate
 from jaxrl.rl.objectives import GRPOLoss, SFTLoss
 
 CFG = ModelConfig.tiny().replace(num_layers=1)
@@ -148,3 +149,29 @@ def test_sft_loss_is_token_mean_nll_of_completion_tokens(model):
   s, c = metrics["sft/loss"]
   np.testing.assert_allclose(s, nll, rtol=0)
   assert float(c) == m.sum()
+
+
+@pytest.mark.parametrize("aggregation", AGGREGATIONS)
+@pytest.mark.parametrize("policy_loss", POLICY_LOSSES.names())
+def test_every_registered_loss_and_aggregation_wires_through(model, policy_loss, aggregation):
+  """GRPOLoss hands the loss mask (GSPO's |y_i|) and the constant normaliser through: its value
+  equals the registered function aggregated by hand, and sum / denominator is what `aggregate`
+  defines."""
+  graphdef, params = model
+  batch = make_batch(model, seed=5)
+  loss = GRPOLoss(
+    graphdef,
+    temperature=TEMPERATURE,
+    policy_loss=policy_loss,
+    aggregation=aggregation,
+    max_tokens=T - P,
+  )
+  total, metrics = jax.jit(loss)(params, batch)
+  logp = jnp.asarray(np_logprobs(model, batch.tokens, batch.valid, TEMPERATURE)[0], jnp.float32)
+  per_token, _ = POLICY_LOSSES.get(policy_loss)(
+    logp, batch.old_logprobs, batch.advantages, mask=batch.loss_mask
+  )
+  expect_sum, expect_den = aggregate(per_token, batch.loss_mask, aggregation, max_tokens=T - P)
+  np.testing.assert_allclose(float(total), float(expect_sum), rtol=1e-4, atol=1e-5)
+  np.testing.assert_allclose(float(loss.denominator(batch)), float(expect_den))
+  assert metrics["rl/loss"][1] == loss.denominator(batch)

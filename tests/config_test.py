@@ -1,0 +1,50 @@
+"""Config validation: every bad value is an error that names the field and what is allowed."""
+
+import pytest
+
+import configs.grpo_arith as grpo_arith
+from jaxrl.config import Config, ConfigError, validate
+
+
+def test_defaults_and_the_shipped_config_validate():
+  assert isinstance(validate({}), Config)
+  c = validate(grpo_arith.get_config(None))
+  assert c.rl.group_size == 8 and c.task.operand_dist == "uniform"
+  assert validate({"rl": {"beta": 1}}).rl.beta == 1.0  # an int is a fine float
+
+
+@pytest.mark.parametrize(
+  "raw, message",
+  [
+    ({"rl": {"betta": 0.1}}, r"unknown field\(s\) config\.rl\.betta; valid fields of config\.rl"),
+    ({"colour": 1}, r"unknown field\(s\) config\.colour"),
+    ({"rl": {"beta": "x"}}, r"config\.rl\.beta must be float, got str"),
+    ({"rl": {"steps": True}}, r"config\.rl\.steps must be int, got bool"),
+    ({"rl": {"beta": float("nan")}}, r"config\.rl\.beta must be finite"),
+    ({"rl": {"beta": -0.1}}, r"config\.rl\.beta=-0\.1 is out of range; must be >= 0"),
+    ({"rl": {"group_size": 1}}, r"config\.rl\.group_size=1 is out of range; must be >= 2"),
+    ({"sft": {"batch_size": 0}}, r"config\.sft\.batch_size=0 is out of range; must be >= 1"),
+    ({"rl": {"temperature": 0.0}}, r"config\.rl\.temperature=0\.0 is out of range; must be > 0"),
+    ({"rl": {"top_p": 1.5}}, r"config\.rl\.top_p=1\.5 is out of range; must be <= 1"),
+    ({"rl": {"advantage": "ppo"}}, r"config\.rl\.advantage='ppo' is invalid; allowed: \[.*'grpo'"),
+    (
+      {"rl": {"policy_loss": "x"}},
+      r"config\.rl\.policy_loss='x' is invalid; allowed: \[.*ppo_clip",
+    ),
+    ({"reward": {"on_error": "skip"}}, r"config\.reward\.on_error='skip' is invalid"),
+    ({"task": {"ops": "+/"}}, r"config\.task\.ops='\+/' is invalid"),
+    ({"mesh": {"fsdp": 0}}, r"config\.mesh\.fsdp=0 is invalid"),
+    (
+      {"rl": {"num_microbatches": 3}},
+      r"config\.rl\.num_microbatches=3 is invalid; allowed: a divisor",
+    ),
+    (
+      {"rl": {"num_minibatches": 3}},
+      r"config\.rl\.num_minibatches=3 is invalid; allowed: a divisor",
+    ),
+    ({"rl": 5}, r"config\.rl must be a section"),
+  ],
+)
+def test_bad_values_name_the_field(raw, message):
+  with pytest.raises(ConfigError, match=message):
+    validate(raw)
