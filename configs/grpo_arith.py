@@ -5,9 +5,10 @@ Launch (installs into .venv on first use):
   bash launch/train.sh --config=configs/grpo_arith.py:smoke --config.rl.beta=0.0
   python -m launch.train --config=configs/grpo_arith.py --config.workdir=/tmp/arith
 
-Expected on a 2-core CPU (see README for the measured run): about 6 minutes end to end;
-held-out accuracy ~0 at init, ~0.5 after the SFT warm-start, >= 0.9 after GRPO.
-`:smoke` finishes in well under a minute and only checks that everything moves.
+Expected on a 2-core CPU (measured, docs/results.md): about 6.5 minutes end to end; held-out
+greedy accuracy 0.00 at init, ~0.80 after the 900-step SFT warm-start, ~0.91 after 250 GRPO
+steps (seed 0 reproduces 0.797 -> 0.910 exactly). `:smoke` takes well under a minute and only
+checks that everything moves (its accuracy stays near 0).
 """
 
 import ml_collections
