@@ -2,6 +2,7 @@
 
 # Imported for its side effect: registering the built-in rewards.
 from jaxrl.rewards import exact_match  # noqa: F401
+from jaxrl.rewards import math as _math  # noqa: F401
 from jaxrl.rewards.registry import (
   RewardError,
   RewardFn,
