@@ -25,7 +25,9 @@ _BATCH = ("data", "fsdp")
 
 RULES: dict[str, Rules] = {
   # FSDP over the model dim, Megatron-style tensor parallelism over heads / mlp / vocab. With
-  # tensor=1 this is plain FSDP; with fsdp=1 plain tensor parallelism.
+  # tensor=1 this is plain FSDP; with fsdp=1 plain tensor parallelism. MoE expert weights
+  # [E, D, F] are stored split over experts on fsdp (so embed, listed later, stays whole there);
+  # where E does not divide by fsdp they fall back to embed over fsdp like a dense MLP.
   "fsdp_tp": (
     ("batch", _BATCH),
     ("vocab", "tensor"),
@@ -35,7 +37,7 @@ RULES: dict[str, Rules] = {
     ("mlp", "tensor"),
     ("head_dim", None),
     ("norm", None),
-    ("experts", None),
+    ("experts", "fsdp"),
     ("layers", None),
     ("length", None),
     ("act_embed", None),

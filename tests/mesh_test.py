@@ -104,6 +104,22 @@ def test_logical_to_spec_tries_later_rules_for_same_name():
   assert fallbacks == ["dim 0 'batch' -> data: size 6 not divisible by data+fsdp=8"]
 
 
+def test_expert_weights_split_over_experts_or_fall_back_to_embed():
+  mesh = meshlib.make_mesh(1, 4, 2)
+  axes = ("experts", "embed", "mlp")  # MoE gate/up [E, D, F]
+  assert meshlib.logical_to_spec(axes, FSDP_TP, shape=(8, 48, 22), mesh=mesh) == P(
+    "fsdp", None, "tensor"
+  )
+  # 5 experts do not divide over fsdp=4: the model dim takes fsdp, as in a dense MLP.
+  fallbacks = []
+  spec = meshlib.logical_to_spec(axes, FSDP_TP, shape=(5, 48, 22), mesh=mesh, fallbacks=fallbacks)
+  assert spec == P(None, "fsdp", "tensor")
+  assert fallbacks == ["dim 0 'experts' -> replicated: size 5 not divisible by fsdp=4"]
+  assert meshlib.logical_to_spec(axes, "replicated", shape=(8, 48, 22), mesh=mesh) == P(
+    None, None, None
+  )
+
+
 def test_logical_to_spec_errors():
   with pytest.raises(ValueError, match="'nonsense'"):
     meshlib.logical_to_spec(("embed", "nonsense"), FSDP_TP)

@@ -5,7 +5,7 @@ One axis vocabulary, used in einsum strings, shape comments and sharding names e
   H head dim, F mlp hidden, V vocab, E experts, L layers, G group size.
 
 Logical parameter axes (mapped to mesh axes by the tables in `jaxrl.mesh`):
-  "vocab", "embed", "q_heads", "kv_heads", "head_dim", "mlp", "norm".
+  "vocab", "embed", "q_heads", "kv_heads", "head_dim", "mlp", "norm", "experts".
 """
 
 from jaxrl.models.config import ModelConfig, RopeScaling

@@ -7,12 +7,15 @@ import dataclasses
 import jax.numpy as jnp
 
 _DTYPES = ("float32", "bfloat16", "float16")
-_ROPE_KINDS = ("llama3",)
+_ROPE_KINDS = ("llama3", "linear")
+LAYER_TYPES = ("full_attention", "sliding_attention")  # HF `layer_types` names
+MLP_ACTIVATIONS = ("silu", "gelu_tanh")
 
 
 @dataclasses.dataclass(frozen=True)
 class RopeScaling:
-  """RoPE frequency scaling; "llama3" is HF `_compute_llama3_parameters` (Llama 3.1 / 3.2)."""
+  """RoPE frequency scaling; "llama3" is HF `_compute_llama3_parameters` (Llama 3.1 / 3.2),
+  "linear" divides every frequency by `factor` (Gemma 3 4B+ global layers; other fields unused)."""
 
   kind: str = "llama3"
   factor: float = 8.0
@@ -53,6 +56,22 @@ class ModelConfig:
   max_seq_len: int = 2048
   dtype: str = "float32"  # activations / compute
   param_dtype: str = "float32"
+  # Gemma 3. The defaults are off, so other families (and their seeded inits) are unchanged.
+  layer_types: tuple[str, ...] | None = None  # per layer, from LAYER_TYPES; None: all full
+  sliding_window: int | None = None  # sliding layers: query i sees keys j with i - W < j <= i
+  rope_local_theta: float | None = None  # RoPE base of sliding layers (None: rope_theta)
+  query_pre_attn_scalar: float | None = None  # scores scaled by this**-0.5 (None: head_dim)
+  mlp_activation: str = "silu"  # gated-MLP activation, from MLP_ACTIVATIONS
+  zero_centered_norms: bool = False  # RMSNorm weights w stored zero-centred: y = x/rms * (1 + w)
+  post_norms: bool = False  # also norm the attention and MLP outputs before each residual add
+  scale_embeddings: bool = False  # token embeddings times sqrt(embed_dim)
+  final_logit_softcap: float | None = None  # logits = c * tanh(logits / c)
+  attn_logit_softcap: float | None = None  # attention scores = c * tanh(scores / c)
+  # Mixture of experts (Qwen3-MoE, Mixtral). num_experts=0 keeps the dense MLP (and its init).
+  num_experts: int = 0  # E
+  experts_per_token: int = 0  # top k of the router
+  moe_mlp_dim: int = 0  # F of each expert
+  norm_topk_prob: bool = True  # renormalise the top-k router weights to sum to 1
 
   def __post_init__(self):
     for name in ("vocab_size", "num_layers", "embed_dim", "num_heads", "num_kv_heads"):
@@ -75,6 +94,68 @@ class ModelConfig:
     for name in ("dtype", "param_dtype"):
       if getattr(self, name) not in _DTYPES:
         raise ValueError(f"model.{name}={getattr(self, name)!r}; allowed: {_DTYPES}")
+    self._validate_gemma_fields()
+    self._validate_moe_fields()
+
+  def _validate_gemma_fields(self):
+    if self.layer_types is not None:
+      # ConfigDicts hand over lists; the config must stay hashable (it is a static jit argument).
+      object.__setattr__(self, "layer_types", tuple(self.layer_types))
+      if len(self.layer_types) != self.num_layers:
+        raise ValueError(
+          f"model.layer_types has {len(self.layer_types)} entries; "
+          f"model.num_layers={self.num_layers} needs one per layer"
+        )
+      bad = sorted(set(self.layer_types) - set(LAYER_TYPES))
+      if bad:
+        raise ValueError(f"model.layer_types has {bad}; allowed: {LAYER_TYPES}")
+    has_sliding = "sliding_attention" in (self.layer_types or ())
+    if self.sliding_window is not None:
+      _positive("sliding_window", self.sliding_window)
+      if not has_sliding:
+        raise ValueError(
+          f"model.sliding_window={self.sliding_window} is set but model.layer_types has no "
+          "'sliding_attention' layer"
+        )
+    elif has_sliding:
+      raise ValueError("model.layer_types has 'sliding_attention' layers; set model.sliding_window")
+    for name in ("rope_local_theta", "query_pre_attn_scalar"):
+      value = getattr(self, name)
+      if value is not None and not value > 0:
+        raise ValueError(f"model.{name}={value} must be > 0 (or None)")
+    for name in ("final_logit_softcap", "attn_logit_softcap"):
+      value = getattr(self, name)
+      if value is not None and not value > 0:
+        raise ValueError(f"model.{name}={value} must be > 0 (or None: no soft-capping)")
+    if self.mlp_activation not in MLP_ACTIVATIONS:
+      raise ValueError(f"model.mlp_activation={self.mlp_activation!r}; allowed: {MLP_ACTIVATIONS}")
+
+  def _validate_moe_fields(self):
+    if not isinstance(self.num_experts, int) or self.num_experts < 0:
+      raise ValueError(f"model.num_experts must be an int >= 0 (0: dense); got {self.num_experts}")
+    if self.num_experts == 0:
+      for name in ("experts_per_token", "moe_mlp_dim"):
+        if getattr(self, name):
+          raise ValueError(f"model.{name}={getattr(self, name)} needs model.num_experts > 0")
+      return
+    k = self.experts_per_token
+    if not isinstance(k, int) or not 1 <= k <= self.num_experts:
+      raise ValueError(
+        f"model.experts_per_token={k!r} must be an int in [1, model.num_experts={self.num_experts}]"
+      )
+    _positive("moe_mlp_dim", self.moe_mlp_dim)
+
+  def layer_window(self, layer: int) -> int | None:
+    """The sliding window of layer `layer`, or None where it attends to everything before it."""
+    if self.layer_types is not None and self.layer_types[layer] == "sliding_attention":
+      return self.sliding_window
+    return None
+
+  def layer_rope(self, layer: int) -> tuple[float, RopeScaling | None]:
+    """(theta, scaling) of layer `layer`: sliding layers use their own base and no scaling."""
+    if self.layer_window(layer) is not None:
+      return self.rope_local_theta or self.rope_theta, None
+    return self.rope_theta, self.rope_scaling
 
   @property
   def compute_dtype(self):
@@ -158,12 +239,201 @@ class ModelConfig:
       param_dtype="bfloat16",
     )
 
+  @classmethod
+  def llama3p2_3b(cls) -> ModelConfig:
+    """meta-llama/Llama-3.2-3B (and -Instruct; llama3 RoPE scaling, factor 32)."""
+    return cls(
+      vocab_size=128_256,
+      num_layers=28,
+      embed_dim=3072,
+      num_heads=24,
+      num_kv_heads=8,
+      head_dim=128,
+      mlp_dim=8192,
+      rope_theta=500_000.0,
+      rope_scaling=RopeScaling("llama3", 32.0, 1.0, 4.0, 8192),
+      norm_eps=1e-5,
+      tie_embeddings=True,
+      max_seq_len=131_072,
+      dtype="bfloat16",
+      param_dtype="bfloat16",
+    )
+
+  @classmethod
+  def qwen2p5_0p5b_instruct(cls) -> ModelConfig:
+    """Qwen/Qwen2.5-0.5B-Instruct (q/k/v biases, no QK-norm)."""
+    return cls(
+      vocab_size=151_936,
+      num_layers=24,
+      embed_dim=896,
+      num_heads=14,
+      num_kv_heads=2,
+      head_dim=64,
+      mlp_dim=4864,
+      rope_theta=1_000_000.0,
+      norm_eps=1e-6,
+      qkv_bias=True,
+      tie_embeddings=True,
+      max_seq_len=32_768,
+      dtype="bfloat16",
+      param_dtype="bfloat16",
+    )
+
+  @classmethod
+  def qwen2p5_1p5b_instruct(cls) -> ModelConfig:
+    """Qwen/Qwen2.5-1.5B-Instruct (q/k/v biases, no QK-norm)."""
+    return cls(
+      vocab_size=151_936,
+      num_layers=28,
+      embed_dim=1536,
+      num_heads=12,
+      num_kv_heads=2,
+      head_dim=128,
+      mlp_dim=8960,
+      rope_theta=1_000_000.0,
+      norm_eps=1e-6,
+      qkv_bias=True,
+      tie_embeddings=True,
+      max_seq_len=32_768,
+      dtype="bfloat16",
+      param_dtype="bfloat16",
+    )
+
+  @classmethod
+  def qwen3_1p7b(cls) -> ModelConfig:
+    """Qwen/Qwen3-1.7B."""
+    return cls(
+      vocab_size=151_936,
+      num_layers=28,
+      embed_dim=2048,
+      num_heads=16,
+      num_kv_heads=8,
+      head_dim=128,
+      mlp_dim=6144,
+      rope_theta=1_000_000.0,
+      qk_norm=True,
+      tie_embeddings=True,
+      max_seq_len=40_960,
+      dtype="bfloat16",
+      param_dtype="bfloat16",
+    )
+
+  @classmethod
+  def qwen3_8b(cls) -> ModelConfig:
+    """Qwen/Qwen3-8B (untied output head)."""
+    return cls(
+      vocab_size=151_936,
+      num_layers=36,
+      embed_dim=4096,
+      num_heads=32,
+      num_kv_heads=8,
+      head_dim=128,
+      mlp_dim=12_288,
+      rope_theta=1_000_000.0,
+      qk_norm=True,
+      tie_embeddings=False,
+      max_seq_len=40_960,
+      dtype="bfloat16",
+      param_dtype="bfloat16",
+    )
+
+  @classmethod
+  def gemma3_1b(cls) -> ModelConfig:
+    """google/gemma-3-1b-it (and -pt): 5 sliding-window layers, then 1 global, repeated."""
+    return cls(
+      vocab_size=262_144,
+      num_layers=26,
+      embed_dim=1152,
+      num_heads=4,
+      num_kv_heads=1,
+      head_dim=256,
+      mlp_dim=6912,
+      rope_theta=1_000_000.0,
+      norm_eps=1e-6,
+      qk_norm=True,
+      tie_embeddings=True,
+      max_seq_len=32_768,
+      dtype="bfloat16",
+      param_dtype="bfloat16",
+      layer_types=sliding_layer_types(26, 6),
+      sliding_window=512,
+      rope_local_theta=10_000.0,
+      query_pre_attn_scalar=256.0,
+      mlp_activation="gelu_tanh",
+      zero_centered_norms=True,
+      post_norms=True,
+      scale_embeddings=True,
+    )
+
+  @classmethod
+  def qwen3_30b_a3b(cls) -> ModelConfig:
+    """Qwen/Qwen3-30B-A3B: 128 experts, 8 per token (every layer sparse; mlp_dim unused)."""
+    return cls(
+      vocab_size=151_936,
+      num_layers=48,
+      embed_dim=2048,
+      num_heads=32,
+      num_kv_heads=4,
+      head_dim=128,
+      mlp_dim=6144,
+      rope_theta=1_000_000.0,
+      norm_eps=1e-6,
+      qk_norm=True,
+      tie_embeddings=False,
+      max_seq_len=40_960,
+      dtype="bfloat16",
+      param_dtype="bfloat16",
+      num_experts=128,
+      experts_per_token=8,
+      moe_mlp_dim=768,
+      norm_topk_prob=True,
+    )
+
+  @classmethod
+  def mixtral_8x7b(cls) -> ModelConfig:
+    """mistralai/Mixtral-8x7B-v0.1: 8 experts, top-2, no sliding window."""
+    return cls(
+      vocab_size=32_000,
+      num_layers=32,
+      embed_dim=4096,
+      num_heads=32,
+      num_kv_heads=8,
+      head_dim=128,
+      mlp_dim=14_336,
+      rope_theta=1_000_000.0,
+      norm_eps=1e-5,
+      tie_embeddings=False,
+      max_seq_len=32_768,
+      dtype="bfloat16",
+      param_dtype="bfloat16",
+      num_experts=8,
+      experts_per_token=2,
+      moe_mlp_dim=14_336,
+      norm_topk_prob=True,
+    )
+
+
+def sliding_layer_types(num_layers: int, period: int) -> tuple[str, ...]:
+  """HF `sliding_window_pattern`: every `period`-th layer is global, the others slide."""
+  _positive("sliding_window_pattern", period)
+  return tuple(
+    "full_attention" if (i + 1) % period == 0 else "sliding_attention" for i in range(num_layers)
+  )
+
 
 PRESETS = {
   "tiny": ModelConfig.tiny,
   "arith_small": ModelConfig.arith_small,
   "qwen3_0p6b": ModelConfig.qwen3_0p6b,
   "llama3p2_1b": ModelConfig.llama3p2_1b,
+  "gemma3_1b": ModelConfig.gemma3_1b,
+  "llama3p2_3b": ModelConfig.llama3p2_3b,
+  "qwen2p5_0p5b_instruct": ModelConfig.qwen2p5_0p5b_instruct,
+  "qwen2p5_1p5b_instruct": ModelConfig.qwen2p5_1p5b_instruct,
+  "qwen3_1p7b": ModelConfig.qwen3_1p7b,
+  "qwen3_8b": ModelConfig.qwen3_8b,
+  "qwen3_30b_a3b": ModelConfig.qwen3_30b_a3b,
+  "mixtral_8x7b": ModelConfig.mixtral_8x7b,
 }
 
 

@@ -1,4 +1,4 @@
-"""Transformer building blocks: RMSNorm, RoPE, grouped-query attention, SwiGLU MLP."""
+"""Transformer building blocks: RMSNorm, RoPE, grouped-query attention, gated MLP."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxrl.kernels.paged_attention import PagedKV, paged_attention, write_kv
 from jaxrl.models.config import ModelConfig, RopeScaling
 
 _NEG_INF = float(jnp.finfo(jnp.float32).min)
@@ -18,17 +19,28 @@ def _param(rngs: nnx.Rngs, shape, fan_in: int, axes, dtype, scale: float = 1.0) 
 
 
 class RMSNorm(nnx.Module):
-  """y = x / rms(x) * w, computed in float32 whatever the activation dtype."""
+  """y = x / rms(x) * w, computed in float32 whatever the activation dtype.
 
-  def __init__(self, dim: int, eps: float, *, dtype=jnp.float32):
-    self.scale = nnx.Param(jnp.ones((dim,), dtype), axes=("norm",))
+  `zero_centered` (Gemma) stores w - 1 instead: y = x / rms(x) * (1 + w), w initialised to 0.
+  """
+
+  def __init__(self, dim: int, eps: float, *, dtype=jnp.float32, zero_centered: bool = False):
+    init = jnp.zeros if zero_centered else jnp.ones
+    self.scale = nnx.Param(init((dim,), dtype), axes=("norm",))
     self.eps = eps
+    self.zero_centered = zero_centered
 
   def __call__(self, x: jax.Array) -> jax.Array:
     x32 = x.astype(jnp.float32)
     var = jnp.mean(jnp.square(x32), axis=-1, keepdims=True)
-    y = x32 * jax.lax.rsqrt(var + self.eps) * self.scale[...].astype(jnp.float32)
+    w = self.scale[...].astype(jnp.float32)
+    y = x32 * jax.lax.rsqrt(var + self.eps) * (1.0 + w if self.zero_centered else w)
     return y.astype(x.dtype)
+
+
+def softcap(x: jax.Array, cap: float | None) -> jax.Array:
+  """cap * tanh(x / cap) (Gemma's logit soft-capping); x unchanged when cap is None."""
+  return x if cap is None else cap * jnp.tanh(x / cap)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None = None) -> jax.Array:
@@ -36,6 +48,8 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None = Non
   inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
   if scaling is None:
     return inv_freq
+  if scaling.kind == "linear":
+    return inv_freq / scaling.factor
   # Written as in HF `_compute_llama3_parameters` so the float32 rounding matches: long
   # wavelengths are divided by `factor`, short ones kept, the band between interpolated.
   old_len = scaling.original_max_position
@@ -66,25 +80,37 @@ def apply_rope(
   return out.astype(x.dtype)
 
 
-def attention_mask(kv_valid: jax.Array, num_queries: int, query_offset) -> jax.Array:
+def attention_mask(
+  kv_valid: jax.Array, num_queries: int, query_offset, window: int | None = None
+) -> jax.Array:
   """Causal + padding mask [B, T, S]: query t (global index query_offset + t) sees key s iff the
-  key is a real token and s <= query_offset + t."""
+  key is a real token and s <= query_offset + t; with a sliding `window` W also
+  s > query_offset + t - W (HF `sliding_window_overlay`: the query and the W - 1 keys before it).
+
+  Indices are cache slots, not positions: with left padding and contiguous decoding the two
+  differ by a per-row constant, so the window is the same either way.
+  """
   s = kv_valid.shape[1]
   q_idx = query_offset + jnp.arange(num_queries)[:, None]  # [T, 1]
-  causal = jnp.arange(s)[None, :] <= q_idx  # [T, S]
-  return kv_valid[:, None, :] & causal[None]
+  k_idx = jnp.arange(s)[None, :]  # [1, S]
+  visible = k_idx <= q_idx  # [T, S]
+  if window is not None:
+    visible &= k_idx > q_idx - window
+  return kv_valid[:, None, :] & visible[None]
 
 
-def dot_attention(q, k, v, mask) -> jax.Array:
+def dot_attention(q, k, v, mask, *, scale: float | None = None, logit_cap: float | None = None):
   """Grouped-query attention. q: [B, T, N, H]; k, v: [B, S, K, H]; mask: [B, T, S] -> [B, T, N, H].
 
-  Query head n uses kv head n // (N / K), as in HF `repeat_kv`. Softmax in float32.
+  Query head n uses kv head n // (N / K), as in HF `repeat_kv`. Scores are scaled by `scale`
+  (default H**-0.5), then soft-capped at `logit_cap` if given, then masked. Softmax in float32.
   """
   b, t, n, h = q.shape
   kh = k.shape[2]
   q = q.reshape(b, t, kh, n // kh, h)
   logits = jnp.einsum("BTKGH,BSKH->BKGTS", q, k, preferred_element_type=jnp.float32)
-  logits = logits * (h**-0.5)
+  logits = logits * (h**-0.5 if scale is None else scale)
+  logits = softcap(logits, logit_cap)
   logits = jnp.where(mask[:, None, None], logits, _NEG_INF)
   probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
   out = jnp.einsum("BKGTS,BSKH->BTKGH", probs, v)
@@ -94,7 +120,7 @@ def dot_attention(q, k, v, mask) -> jax.Array:
 class Attention(nnx.Module):
   """Grouped-query self-attention with optional QK-norm and a functional KV cache."""
 
-  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, layer_idx: int = 0):
     d, n, k, h, dt = cfg.embed_dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.weight_dtype
     self.q = _param(rngs, (d, n, h), d, ("embed", "q_heads", "head_dim"), dt)
     self.k = _param(rngs, (d, k, h), d, ("embed", "kv_heads", "head_dim"), dt)
@@ -102,8 +128,9 @@ class Attention(nnx.Module):
     self.o = _param(
       rngs, (n, h, d), n * h, ("q_heads", "head_dim", "embed"), dt, (2 * cfg.num_layers) ** -0.5
     )
-    self.q_norm = RMSNorm(h, cfg.norm_eps, dtype=dt) if cfg.qk_norm else None
-    self.k_norm = RMSNorm(h, cfg.norm_eps, dtype=dt) if cfg.qk_norm else None
+    zc = cfg.zero_centered_norms
+    self.q_norm = RMSNorm(h, cfg.norm_eps, dtype=dt, zero_centered=zc) if cfg.qk_norm else None
+    self.k_norm = RMSNorm(h, cfg.norm_eps, dtype=dt, zero_centered=zc) if cfg.qk_norm else None
     # Zero-initialised (as HF does), so they draw no random numbers: with qkv_bias off the RNG
     # stream, and hence every other parameter, is exactly what it was before biases existed.
     if cfg.qkv_bias:
@@ -112,8 +139,10 @@ class Attention(nnx.Module):
       self.v_bias = nnx.Param(jnp.zeros((k, h), dt), axes=("kv_heads", "head_dim"))
     else:
       self.q_bias = self.k_bias = self.v_bias = None
-    self.rope_theta = cfg.rope_theta
-    self.rope_scaling = cfg.rope_scaling
+    self.rope_theta, self.rope_scaling = cfg.layer_rope(layer_idx)
+    self.window = cfg.layer_window(layer_idx)
+    self.scale = None if cfg.query_pre_attn_scalar is None else cfg.query_pre_attn_scalar**-0.5
+    self.logit_cap = cfg.attn_logit_softcap
 
   def __call__(self, x, positions, kv_valid, cache=None, cache_index=0):
     """x: [B, T, D]; positions: [B, T]; kv_valid: [B, S] (S = T without a cache).
@@ -133,42 +162,72 @@ class Attention(nnx.Module):
       q, k = self.q_norm(q), self.k_norm(k)
     q = apply_rope(q, positions, self.rope_theta, self.rope_scaling)
     k = apply_rope(k, positions, self.rope_theta, self.rope_scaling)
+    if isinstance(cache, PagedKV):
+      # Paged decode/prefill (the rollout engine): keys land in their pages at their positions;
+      # `kv_valid` and `cache_index` are unused, the page table and lengths say it all.
+      cache = write_kv(cache, k, v, positions)
+      out = paged_attention(
+        q, cache, positions, window=self.window, soft_cap=self.logit_cap, scale=self.scale
+      )
+      return jnp.einsum("BTNH,NHD->BTD", out, self.o[...].astype(dt)), cache
     if cache is not None:
       ck, cv = cache
       k = jax.lax.dynamic_update_slice_in_dim(ck, k.astype(ck.dtype), cache_index, axis=1)
       v = jax.lax.dynamic_update_slice_in_dim(cv, v.astype(cv.dtype), cache_index, axis=1)
       cache = (k, v)
-    mask = attention_mask(kv_valid, x.shape[1], cache_index)
-    out = dot_attention(q, k.astype(dt), v.astype(dt), mask)
+    mask = attention_mask(kv_valid, x.shape[1], cache_index, self.window)
+    out = dot_attention(
+      q, k.astype(dt), v.astype(dt), mask, scale=self.scale, logit_cap=self.logit_cap
+    )
     return jnp.einsum("BTNH,NHD->BTD", out, self.o[...].astype(dt)), cache
 
 
 class MLP(nnx.Module):
-  """SwiGLU: down(silu(gate(x)) * up(x))."""
+  """Gated MLP: down(act(gate(x)) * up(x)); act is silu (SwiGLU) or tanh-GeLU (Gemma's GeGLU)."""
 
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
     d, f, dt = cfg.embed_dim, cfg.mlp_dim, cfg.weight_dtype
     self.gate = _param(rngs, (d, f), d, ("embed", "mlp"), dt)
     self.up = _param(rngs, (d, f), d, ("embed", "mlp"), dt)
     self.down = _param(rngs, (f, d), f, ("mlp", "embed"), dt, (2 * cfg.num_layers) ** -0.5)
+    self.activation = cfg.mlp_activation
 
   def __call__(self, x):
     dt = x.dtype
     g = jnp.einsum("BTD,DF->BTF", x, self.gate[...].astype(dt))
     u = jnp.einsum("BTD,DF->BTF", x, self.up[...].astype(dt))
-    return jnp.einsum("BTF,FD->BTD", jax.nn.silu(g) * u, self.down[...].astype(dt))
+    # HF "gelu_pytorch_tanh" is the tanh approximation, which jax.nn.gelu computes by default.
+    act = jax.nn.silu(g) if self.activation == "silu" else jax.nn.gelu(g, approximate=True)
+    return jnp.einsum("BTF,FD->BTD", act * u, self.down[...].astype(dt))
 
 
 class Block(nnx.Module):
-  """Pre-norm decoder block: x + attn(norm(x)), then x + mlp(norm(x))."""
+  """Pre-norm decoder block: x + attn(norm(x)), then x + mlp(norm(x)).
 
-  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
-    self.attn_norm = RMSNorm(cfg.embed_dim, cfg.norm_eps, dtype=cfg.weight_dtype)
-    self.attn = Attention(cfg, rngs=rngs)
-    self.mlp_norm = RMSNorm(cfg.embed_dim, cfg.norm_eps, dtype=cfg.weight_dtype)
-    self.mlp = MLP(cfg, rngs=rngs)
+  With `cfg.post_norms` (Gemma 2/3) each branch output is normed again before the residual add.
+  """
+
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, layer_idx: int = 0):
+    d, eps, dt, zc = cfg.embed_dim, cfg.norm_eps, cfg.weight_dtype, cfg.zero_centered_norms
+    self.attn_norm = RMSNorm(d, eps, dtype=dt, zero_centered=zc)
+    self.attn = Attention(cfg, rngs=rngs, layer_idx=layer_idx)
+    self.mlp_norm = RMSNorm(d, eps, dtype=dt, zero_centered=zc)
+    if cfg.num_experts:
+      from jaxrl.models.moe import MoEMLP  # moe.py builds on this module's helpers
+
+      self.mlp = MoEMLP(cfg, rngs=rngs)
+    else:
+      self.mlp = MLP(cfg, rngs=rngs)
+    # Norm scales are constants, not random draws: adding them leaves the RNG stream unchanged.
+    self.post_attn_norm = RMSNorm(d, eps, dtype=dt, zero_centered=zc) if cfg.post_norms else None
+    self.post_mlp_norm = RMSNorm(d, eps, dtype=dt, zero_centered=zc) if cfg.post_norms else None
 
   def __call__(self, x, positions, kv_valid, cache=None, cache_index=0):
     h, cache = self.attn(self.attn_norm(x), positions, kv_valid, cache, cache_index)
+    if self.post_attn_norm is not None:
+      h = self.post_attn_norm(h)
     x = x + h
-    return x + self.mlp(self.mlp_norm(x)), cache
+    h = self.mlp(self.mlp_norm(x))
+    if self.post_mlp_norm is not None:
+      h = self.post_mlp_norm(h)
+    return x + h, cache

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxrl.models.config import ModelConfig
-from jaxrl.models.layers import Block, RMSNorm
+from jaxrl.models.layers import Block, RMSNorm, softcap
 
 KVCache = tuple  # one (k, v) pair per layer, each [B, S, K, H]
 
@@ -20,8 +20,10 @@ class Transformer(nnx.Module):
     dt = cfg.weight_dtype
     embed = 0.02 * jax.random.normal(rngs.params(), (cfg.vocab_size, cfg.embed_dim), jnp.float32)
     self.embed = nnx.Param(embed.astype(dt), axes=("vocab", "embed"))
-    self.layers = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.num_layers)])
-    self.final_norm = RMSNorm(cfg.embed_dim, cfg.norm_eps, dtype=dt)
+    self.layers = nnx.List([Block(cfg, rngs=rngs, layer_idx=i) for i in range(cfg.num_layers)])
+    self.final_norm = RMSNorm(
+      cfg.embed_dim, cfg.norm_eps, dtype=dt, zero_centered=cfg.zero_centered_norms
+    )
     if cfg.tie_embeddings:
       self.head = None
     else:
@@ -45,6 +47,9 @@ class Transformer(nnx.Module):
     Returns (logits [B, T, V] float32 — or [B, V] with logits_at — , new cache).
     """
     x = self.embed[...].astype(self.cfg.compute_dtype)[tokens]  # [B, T, D]
+    if self.cfg.scale_embeddings:
+      # Rounded to the activation dtype first, as HF Gemma does (sqrt(1152) -> 34.0 in bfloat16).
+      x = x * jnp.asarray(self.cfg.embed_dim**0.5, x.dtype)
     new_cache = []
     for i, layer in enumerate(self.layers):
       layer_cache = None if cache is None else cache[i]
@@ -57,7 +62,8 @@ class Transformer(nnx.Module):
       logits = jnp.einsum("...D,VD->...V", x, self.embed[...].astype(x.dtype))
     else:
       logits = jnp.einsum("...D,DV->...V", x, self.head[...].astype(x.dtype))
-    return logits.astype(jnp.float32), (tuple(new_cache) if cache is not None else None)
+    logits = softcap(logits.astype(jnp.float32), self.cfg.final_logit_softcap)
+    return logits, (tuple(new_cache) if cache is not None else None)
 
 
 def make_model(cfg: ModelConfig, seed: int = 0) -> tuple[nnx.GraphDef, nnx.State]:
@@ -74,6 +80,24 @@ def make_model(cfg: ModelConfig, seed: int = 0) -> tuple[nnx.GraphDef, nnx.State
 def apply(graphdef: nnx.GraphDef, params: nnx.State, *args, **kwargs):
   """The one forward: the sampler and the learner both call this with the same params."""
   return nnx.merge(graphdef, params)(*args, **kwargs)
+
+
+def apply_with_routing(graphdef: nnx.GraphDef, params: nnx.State, *args, **kwargs):
+  """`apply`, plus what every MoE layer's router decided (for routing replay and the aux loss).
+
+  Returns (logits, cache, routing) with routing = {"experts": [L, B, T, k] int32,
+  "router_logits": [L, B, T, E] float32} over the MoE layers in order, or None for a dense model.
+  """
+  from jaxrl.models.moe import Routing  # moe.py imports layers, which this module imports
+
+  model = nnx.merge(graphdef, params)
+  (logits, cache), sown = nnx.capture(model, Routing)(*args, **kwargs)
+  layers = sown.get("layers", {})
+  per_layer = [layers[i]["mlp"]["routing"][0] for i in sorted(layers)]  # one call: one entry
+  if not per_layer:
+    return logits, cache, None
+  experts, router_logits = (jnp.stack(x) for x in zip(*per_layer, strict=True))
+  return logits, cache, {"experts": experts, "router_logits": router_logits}
 
 
 def init_cache(cfg: ModelConfig, batch: int, length: int, dtype=None) -> KVCache:

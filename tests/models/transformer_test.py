@@ -160,3 +160,123 @@ def test_default_init_is_unchanged_by_optional_params():
 def test_bad_model_config_names_field(kw, field):
   with pytest.raises(ValueError, match=field):
     ModelConfig.tiny().replace(**kw)
+
+
+def _gemma_tiny() -> ModelConfig:
+  """Gemma-3-shaped tiny model: window 3, a global layer between two sliding ones."""
+  return ModelConfig.tiny().replace(
+    num_layers=3,
+    layer_types=("sliding_attention", "full_attention", "sliding_attention"),
+    sliding_window=3,
+    rope_theta=1000.0,
+    rope_local_theta=50.0,
+    query_pre_attn_scalar=20.0,
+    mlp_activation="gelu_tanh",
+    zero_centered_norms=True,
+    post_norms=True,
+    scale_embeddings=True,
+    final_logit_softcap=5.0,
+    attn_logit_softcap=2.0,
+  )
+
+
+def test_sliding_window_cached_decoding_equals_full_forward():
+  from jaxrl.models.transformer import Transformer
+
+  cfg = _gemma_tiny()
+  graphdef, params = _random_params(cfg)
+  b, t, p = 2, 13, 4  # prefill p tokens, then decode one at a time, well past the window
+  tokens = jax.random.randint(jax.random.key(5), (b, t), 3, cfg.vocab_size)
+  valid = jnp.ones((b, t), bool).at[1, :3].set(False)
+  pos = positions_from_mask(valid)
+  full, _ = apply(graphdef, params, tokens, pos, valid)
+  # The window must matter here, or the cache would not test it.
+  unwindowed = cfg.replace(layer_types=None, sliding_window=None)
+  other_graphdef = nnx.graphdef(nnx.eval_shape(lambda: Transformer(unwindowed, rngs=nnx.Rngs(0))))
+  other, _ = apply(other_graphdef, params, tokens, pos, valid)
+  assert np.abs(np.asarray(other - full)[np.asarray(valid)]).max() > 1e-2
+
+  cache = init_cache(cfg, b, t)
+  kv_valid = jnp.concatenate([valid[:, :p], jnp.zeros((b, t - p), bool)], axis=1)
+  logits, cache = apply(
+    graphdef, params, tokens[:, :p], pos[:, :p], kv_valid, cache=cache, cache_index=0
+  )
+  steps = [logits]
+  for i in range(p, t):
+    kv_valid = kv_valid.at[:, i].set(valid[:, i])
+    logits, cache = apply(
+      graphdef,
+      params,
+      tokens[:, i : i + 1],
+      pos[:, i : i + 1],
+      kv_valid,
+      cache=cache,
+      cache_index=i,
+    )
+    steps.append(logits)
+  cached = jnp.concatenate(steps, axis=1)
+  np.testing.assert_allclose(np.asarray(cached)[valid], np.asarray(full)[valid], atol=1e-5)
+
+
+def test_gemma_options_add_no_random_draws():
+  # Zero-centred norms and post-norms are constants: the random params match the plain model's.
+  _, plain = make_model(ModelConfig.tiny())
+  _, gemma = make_model(ModelConfig.tiny().replace(zero_centered_norms=True, post_norms=True))
+  flat_gemma = dict(nnx.to_flat_state(gemma))
+  for path, var in nnx.to_flat_state(plain):
+    if "norm" in str(path):
+      np.testing.assert_array_equal(flat_gemma[path].get_value(), 0.0)
+    else:
+      np.testing.assert_array_equal(flat_gemma[path].get_value(), var.get_value())
+  assert ("layers", 0, "post_attn_norm", "scale") in flat_gemma
+
+
+@pytest.mark.parametrize(
+  "kw, field",
+  [
+    (dict(layer_types=("full_attention",)), "model.layer_types has 1 entries"),
+    (dict(layer_types=("full_attention", "local")), r"model.layer_types has \['local'\]"),
+    (dict(layer_types=("sliding_attention", "full_attention")), "set model.sliding_window"),
+    (dict(sliding_window=4), "model.sliding_window=4 is set but"),
+    (
+      dict(layer_types=("sliding_attention", "full_attention"), sliding_window=0),
+      "model.sliding_window must be a positive int",
+    ),
+    (dict(rope_local_theta=0.0), "model.rope_local_theta"),
+    (dict(query_pre_attn_scalar=-1.0), "model.query_pre_attn_scalar"),
+    (dict(final_logit_softcap=0.0), "model.final_logit_softcap"),
+    (dict(attn_logit_softcap=-2.0), "model.attn_logit_softcap"),
+    (dict(mlp_activation="relu"), "model.mlp_activation='relu'"),
+  ],
+)
+def test_bad_gemma_config_names_field(kw, field):
+  with pytest.raises(ValueError, match=field):
+    ModelConfig.tiny().replace(**kw)
+
+
+def test_layer_types_from_a_list_stay_hashable():
+  cfg = ModelConfig.tiny().replace(
+    layer_types=["sliding_attention", "full_attention"], sliding_window=4
+  )
+  assert cfg.layer_types == ("sliding_attention", "full_attention") and hash(cfg)
+  assert [cfg.layer_window(i) for i in range(2)] == [4, None]
+
+
+def test_gemma3_1b_preset_shape():
+  import math
+
+  from jaxrl.models.transformer import Transformer
+
+  cfg = ModelConfig.gemma3_1b()
+  assert [i for i, t in enumerate(cfg.layer_types) if t == "full_attention"] == [5, 11, 17, 23]
+  assert cfg.layer_rope(0) == (10_000.0, None) and cfg.layer_rope(5) == (1_000_000.0, None)
+
+  def count(num_layers):  # every block has the same params, sliding or not
+    small = cfg.replace(num_layers=num_layers, layer_types=cfg.layer_types[:num_layers])
+    model = nnx.eval_shape(lambda: Transformer(small, rngs=nnx.Rngs(0)))
+    return sum(math.prod(x.shape) for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+
+  one, two = count(1), count(2)
+  # By hand: embed 262144*1152, per layer q/o 2*1152*4*256, k/v 2*1152*256, mlp 3*1152*6912,
+  # 4 block norms of 1152 and q/k norms of 256; final norm 1152. The Hub reports the same.
+  assert one + 25 * (two - one) == 999_885_952

@@ -5,7 +5,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxrl.rollout.sampling import SamplingParams, filter_logits, sample_tokens
+from jaxrl.rollout.sampling import (
+  RowSampling,
+  SamplingParams,
+  filter_logits,
+  filter_logits_rows,
+  sample_rows,
+  sample_tokens,
+)
 
 _NEG_INF = float(jnp.finfo(jnp.float32).min)
 
@@ -166,6 +173,8 @@ def test_each_row_depends_only_on_its_own_key_and_logits():
     (dict(top_k=-1), "top_k"),
     (dict(top_p=0.0), "top_p"),
     (dict(top_p=1.5), "top_p"),
+    (dict(min_p=-0.1), "min_p"),
+    (dict(min_p=1.5), "min_p"),
   ],
 )
 def test_bad_sampling_params_name_field(kw, field):
@@ -176,3 +185,44 @@ def test_bad_sampling_params_name_field(kw, field):
 def test_logprob_temperature():
   assert SamplingParams(temperature=0.0).logprob_temperature == 1.0
   assert SamplingParams(temperature=0.7).logprob_temperature == 0.7
+
+
+@pytest.mark.parametrize(
+  "min_p, expected", [(0.35, [0, 1]), (0.7, [0]), (0.2, [0, 1, 2]), (0.0, [0, 1, 2, 3])]
+)
+def test_min_p_by_hand(min_p, expected):
+  # Keep p >= min_p * p_max: with p_max = 0.5 the floor is min_p / 2.
+  logits = np.log(np.array([[0.5, 0.3, 0.15, 0.05]], np.float32))
+  out = np.asarray(filter_logits(jnp.asarray(logits), 0, 1.0, min_p))
+  assert list(np.flatnonzero(out[0] != _NEG_INF)) == expected
+
+
+_MIXED = [
+  SamplingParams(temperature=1.0),
+  SamplingParams(temperature=0.7, top_k=5, top_p=0.9),
+  SamplingParams(temperature=1.5, top_p=0.6, min_p=0.05),
+  SamplingParams(temperature=1.0, top_k=10, min_p=0.2),
+  SamplingParams(temperature=0.0, top_k=3),
+]
+
+
+def test_per_row_filters_equal_the_scalar_filter_row_by_row():
+  logits = (2.0 * np.random.default_rng(6).normal(size=(40, 37))).astype(np.float32)
+  params = [_MIXED[i % len(_MIXED)] for i in range(40)]
+  out = np.asarray(filter_logits_rows(jnp.asarray(logits), RowSampling.stack(params)))
+  for i, p in enumerate(params):
+    ref = np.asarray(filter_logits(jnp.asarray(logits[i : i + 1]), p.top_k, p.top_p, p.min_p))
+    np.testing.assert_array_equal(out[i], ref[0])
+
+
+def test_sample_rows_equals_sample_tokens_per_row():
+  logits = (2.0 * np.random.default_rng(7).normal(size=(40, 37))).astype(np.float32)
+  keys = jax.random.split(jax.random.key(8), 40)
+  params = [_MIXED[i % len(_MIXED)] for i in range(40)]
+  tokens, logp = sample_rows(jnp.asarray(logits), keys, RowSampling.stack(params))
+  for i, p in enumerate(params):
+    t, lp = sample_tokens(jnp.asarray(logits[i : i + 1]), keys[i : i + 1], p)
+    assert int(tokens[i]) == int(t[0]), (i, p)
+    np.testing.assert_allclose(float(logp[i]), float(lp[0]), atol=1e-6)
+  greedy = [i for i, p in enumerate(params) if p.temperature == 0]
+  np.testing.assert_array_equal(np.asarray(tokens)[greedy], logits[greedy].argmax(-1))

@@ -1,0 +1,120 @@
+"""Mixture-of-experts MLP: top-k softmax router, ragged_dot token dispatch, load-balancing loss."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxrl.models.config import ModelConfig
+from jaxrl.models.layers import _param
+
+
+class Routing(nnx.Intermediate):
+  """What one MoE layer's router decided: (experts [B, T, k], logits [B, T, E]).
+
+  Sown under `nnx.capture`; `jaxrl.models.transformer.apply_with_routing` collects it.
+  """
+
+
+def route(logits: jax.Array, top_k: int, renormalize: bool) -> tuple[jax.Array, jax.Array]:
+  """Top-k routing as HF does it: softmax over all E experts in float32, keep the k largest.
+
+  logits: [..., E]. Returns (weights [..., k] float32, experts [..., k] int32). With
+  `renormalize` (Mixtral always; Qwen3-MoE iff `norm_topk_prob`) the k weights sum to 1.
+  """
+  probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+  weights, experts = jax.lax.top_k(probs, top_k)
+  if renormalize:
+    weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+  return weights, experts.astype(jnp.int32)
+
+
+def _swiglu_ragged(x, gate, up, down, group_sizes):
+  """Each row of x [R, D] (rows sorted by expert) through its expert's SwiGLU -> [R, D]."""
+  g = jax.lax.ragged_dot(x, gate, group_sizes)  # [R, F]
+  u = jax.lax.ragged_dot(x, up, group_sizes)
+  return jax.lax.ragged_dot(jax.nn.silu(g) * u, down, group_sizes)
+
+
+def moe_dispatch(x, weights, experts, gate, up, down) -> jax.Array:
+  """Sparse MoE: each token runs only through its k experts, grouped with `jax.lax.ragged_dot`.
+
+  x: [..., D]; weights, experts: [..., k]; gate, up: [E, D, F]; down: [E, F, D] -> [..., D].
+  The token-expert assignments are sorted by expert so each expert's rows are contiguous (the
+  layout ragged_dot and grouped-matmul kernels want), then unsorted and summed with their weights.
+  """
+  lead, d = x.shape[:-1], x.shape[-1]
+  k, e = experts.shape[-1], gate.shape[0]
+  flat_experts = experts.reshape(-1)  # [R], R = tokens * k
+  order = jnp.argsort(flat_experts, stable=True)
+  rows = x.reshape(-1, d)[order // k]  # [R, D], row r is assignment order[r]
+  group_sizes = jnp.bincount(flat_experts, length=e).astype(jnp.int32)  # [E]
+  gate, up, down = (w.astype(x.dtype) for w in (gate, up, down))
+  y = _swiglu_ragged(rows, gate, up, down, group_sizes)  # [R, D]
+  y = jnp.zeros_like(y).at[order].set(y)  # back to assignment order
+  y = y.reshape(*lead, k, d).astype(jnp.float32)
+  out = jnp.sum(y * weights[..., None].astype(jnp.float32), axis=-2)
+  return out.astype(x.dtype)
+
+
+def moe_dense_reference(x, weights, experts, gate, up, down) -> jax.Array:
+  """Every expert on every token, weighted by the sparse gate (zero off the top k); for tests.
+
+  Same arguments and result as `moe_dispatch`.
+  """
+  e = gate.shape[0]
+  dense_gate = jnp.sum(jax.nn.one_hot(experts, e) * weights[..., None], axis=-2)  # [..., E]
+  g = jnp.einsum("...D,EDF->...EF", x, gate.astype(x.dtype))
+  u = jnp.einsum("...D,EDF->...EF", x, up.astype(x.dtype))
+  y = jnp.einsum("...EF,EFD->...ED", jax.nn.silu(g) * u, down.astype(x.dtype))
+  out = jnp.einsum("...ED,...E->...D", y.astype(jnp.float32), dense_gate.astype(jnp.float32))
+  return out.astype(x.dtype)
+
+
+def load_balancing_loss(
+  router_logits: jax.Array, top_k: int, valid: jax.Array | None = None
+) -> jax.Array:
+  """Switch-Transformer load-balancing loss (Fedus et al. 2021, eqs. 4-6), as HF computes it.
+
+  router_logits: [L, B, T, E] (or any leading dims); valid: broadcastable to its leading dims,
+  False for padding. With f_e the fraction of (unpadded) tokens that put expert e in their top k
+  and P_e the mean router probability of e, both pooled over every layer, the loss is
+  E * sum_e f_e * P_e (= k for perfectly uniform routing). Float32.
+  """
+  e = router_logits.shape[-1]
+  probs = jax.nn.softmax(router_logits.astype(jnp.float32), axis=-1)
+  _, experts = jax.lax.top_k(probs, top_k)
+  counts = jnp.sum(jax.nn.one_hot(experts, e, dtype=jnp.float32), axis=-2)  # [..., E]
+  if valid is None:
+    w = jnp.ones(router_logits.shape[:-1], jnp.float32)
+  else:
+    w = jnp.broadcast_to(valid, router_logits.shape[:-1]).astype(jnp.float32)
+  total = jnp.sum(w)
+  frac = jnp.sum((counts * w[..., None]).reshape(-1, e), axis=0) / total  # [E]
+  prob = jnp.sum((probs * w[..., None]).reshape(-1, e), axis=0) / total  # [E]
+  return e * jnp.sum(frac * prob)
+
+
+class MoEMLP(nnx.Module):
+  """Top-k routed SwiGLU experts, stored expert-major: gate/up [E, D, F], down [E, F, D]."""
+
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    d, f, e, dt = cfg.embed_dim, cfg.moe_mlp_dim, cfg.num_experts, cfg.weight_dtype
+    self.router = _param(rngs, (d, e), d, ("embed", "experts"), dt)
+    self.gate = _param(rngs, (e, d, f), d, ("experts", "embed", "mlp"), dt)
+    self.up = _param(rngs, (e, d, f), d, ("experts", "embed", "mlp"), dt)
+    self.down = _param(
+      rngs, (e, f, d), f, ("experts", "mlp", "embed"), dt, (2 * cfg.num_layers) ** -0.5
+    )
+    self.top_k = cfg.experts_per_token
+    self.renormalize = cfg.norm_topk_prob
+
+  def __call__(self, x):
+    """x: [B, T, D] -> [B, T, D]; sows `Routing` (top-k experts, router logits)."""
+    logits = jnp.einsum("BTD,DE->BTE", x, self.router[...].astype(x.dtype))
+    weights, experts = route(logits, self.top_k, self.renormalize)
+    # Recorded only under `nnx.capture` (see `apply_with_routing`); a plain forward keeps nothing.
+    if hasattr(self, "__captures__"):
+      self.sow(Routing, "routing", (experts, logits.astype(jnp.float32)))
+    return moe_dispatch(x, weights, experts, self.gate[...], self.up[...], self.down[...])

@@ -1,0 +1,341 @@
+"""The rollout driver: a request queue fed through an Engine's slots in continuous batching.
+
+    driver = Driver(engine, steps_per_call=8)
+    result = driver.run(params, requests, policy_version=3, seed=0, stop_when=None)
+    result.finished / result.partial: Completions (numpy prompt tokens, completion tokens,
+    behaviour log-probs, finish reason, policy version); result.unstarted: requests never begun.
+
+Loop: while a slot and the pages for the head request (or its whole group) are free, prefill it
+once (`prefill_multisampling`: a group shares its prompt) and `bulk_insert` its samples; dispatch
+`generate_steps` for `steps_per_call` steps; while the device runs them, process the previous
+call's results on the host (append tokens, check stop strings, retire finished sequences, free
+their pages); refill; repeat until every request is done or `stop_when(progress)` holds, which
+aborts the rest and returns it as partial sequences whose tokens and log-probs are intact.
+
+`batching="static"` is the baseline continuous batching is measured against: requests are taken
+in batches of at most `max_concurrent_decodes` samples, and a batch is admitted only once every
+sequence of the previous one has finished. Sampling keys depend only on (seed, request_id), so
+both modes produce the same tokens and log-probs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from jaxrl.rollout.engine import Engine, request_key
+from jaxrl.rollout.sampling import SamplingParams
+
+FINISH_REASONS = ("stop", "stop_string", "length", "abort")
+BATCHING_MODES = ("continuous", "static")
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+  """One sequence to sample. Requests sharing a `group_id` (a GRPO group) must share the prompt,
+  max_new_tokens and stop conditions; they are prefilled once and decoded side by side.
+
+  `request_id` (unique in a run) seeds the sequence's RNG: with the run seed it fixes every draw.
+  EOS (the driver's `eos_id`) is always a stop token.
+  """
+
+  prompt: Sequence[int]
+  request_id: int
+  group_id: int | None = None
+  sampling: SamplingParams = SamplingParams()
+  max_new_tokens: int = 64
+  stop_token_ids: tuple[int, ...] = ()
+  stop_strings: tuple[str, ...] = ()
+
+
+@dataclasses.dataclass
+class Completion:
+  """A finished (or aborted) sequence, as numpy arrays."""
+
+  request_id: int
+  group_id: int | None
+  prompt_tokens: np.ndarray  # [P] int32
+  tokens: np.ndarray  # [N] int32 completion, the stop token included
+  logprobs: np.ndarray  # [N] float32 behaviour log-probs of `tokens`
+  finish_reason: str  # one of FINISH_REASONS
+  policy_version: int
+
+
+@dataclasses.dataclass
+class Progress:
+  """What `stop_when` sees after each batch of results."""
+
+  finished: list[Completion]
+  num_complete_groups: int  # groups (or ungrouped requests) whose every member finished
+  num_live: int
+
+
+@dataclasses.dataclass
+class RunResult:
+  finished: list[Completion]
+  partial: list[Completion]  # in flight when `stop_when` held: finish_reason "abort"
+  unstarted: list[Request]  # still queued when `stop_when` held
+  stats: dict
+
+
+def complete_groups(n: int) -> Callable[[Progress], bool]:
+  """A `stop_when`: stop once `n` groups have all their samples finished."""
+  return lambda progress: progress.num_complete_groups >= n
+
+
+@dataclasses.dataclass
+class _Live:
+  request: Request
+  unit: int
+  slot: int | None = None
+  tokens: list = dataclasses.field(default_factory=list)
+  logprobs: list = dataclasses.field(default_factory=list)
+
+
+class Driver:
+  """Runs request lists through one Engine; keeps its decode state between runs.
+
+  steps_per_call: decode steps per `generate_steps` call (one compile; more steps mean fewer
+    host round trips, at the cost of up to that many steps of latency before a slot refills).
+  eos_id: always a stop token (default: the engine tokenizer's eos_id, if any).
+  tokenizer: decodes completions for stop strings (default: the engine's).
+  batching: "continuous" (default) refills a slot as soon as its sequence finishes; "static"
+    admits a new batch only when the previous one has wholly finished (a benchmark baseline).
+  """
+
+  def __init__(
+    self,
+    engine: Engine,
+    *,
+    steps_per_call: int = 8,
+    eos_id=None,
+    tokenizer=None,
+    batching: str = "continuous",
+  ):
+    if steps_per_call <= 0:
+      raise ValueError(f"steps_per_call must be positive, got {steps_per_call}")
+    if batching not in BATCHING_MODES:
+      raise ValueError(f"batching must be one of {BATCHING_MODES}, got {batching!r}")
+    self.batching = batching
+    self.engine = engine
+    self.steps_per_call = steps_per_call
+    self.tokenizer = tokenizer if tokenizer is not None else engine.get_tokenizer()
+    if eos_id is None and self.tokenizer is not None:
+      eos_id = getattr(self.tokenizer, "eos_id", None)
+    self.eos_id = eos_id
+    self._state = None
+
+  def run(
+    self,
+    params,
+    requests: Sequence[Request],
+    *,
+    policy_version: int = 0,
+    seed: int = 0,
+    stop_when: Callable[[Progress], bool] | None = None,
+  ) -> RunResult:
+    """Sample every request (or until `stop_when(progress)` holds); see the module docstring."""
+    eng = self.engine
+    units = self._units(requests)
+    if self._state is None:
+      self._state = eng.init_decode_state()
+    queue = list(range(len(units)))
+    unit_left = [len(u) for u in units]
+    live: dict[int, _Live] = {}  # slot -> sequence
+    owners = np.full(eng.max_concurrent_decodes, -1, np.int64)  # slot -> request_id
+    finished: list[Completion] = []
+    stats = {
+      "prefill_calls": 0,
+      "generate_calls": 0,
+      "decode_steps": 0,
+      "queued_waits": 0,
+      "batches": 0,  # static batches started (continuous: 0)
+    }
+    done_units = [0]
+
+    def finish(seq: _Live, reason: str):
+      if seq.slot is not None:
+        eng.free_resource(seq.slot)
+        live.pop(seq.slot)
+        owners[seq.slot] = -1
+      finished.append(self._completion(seq, reason, policy_version))
+      unit_left[seq.unit] -= 1
+      done_units[0] += unit_left[seq.unit] == 0
+
+    def admit():
+      if self.batching == "continuous":
+        fill(budget=None)
+        return
+      # A batch whose every sequence finished at its first token leaves nothing live: start the
+      # next one at once. An empty engine always admits the head unit (`_units` checked it fits).
+      while queue and not live:
+        stats["batches"] += 1
+        fill(budget=eng.max_concurrent_decodes)
+
+    def fill(budget):
+      """Admit queued units while slots and pages last (and, static, `budget` samples)."""
+      while queue:
+        group = units[queue[0]]
+        req = group[0]
+        if budget is not None and len(group) > budget:
+          return
+        free_slots = [s for s in range(eng.max_concurrent_decodes) if s not in live]
+        need = eng.pages_needed(len(req.prompt), req.max_new_tokens, len(group))
+        if len(free_slots) < len(group) or need > eng.allocator.num_free:
+          stats["queued_waits"] += 1
+          return
+        unit = queue.pop(0)
+        if budget is not None:
+          budget -= len(group)
+        prefix, first = eng.prefill_prompt(
+          params,
+          req.prompt,
+          sampler=[r.sampling for r in group],
+          rng=np.stack([request_key(seed, r.request_id) for r in group]),
+          num_samples=len(group),
+          max_new_tokens=req.max_new_tokens,
+          stop_token_ids=self._stop_ids(req),
+        )
+        stats["prefill_calls"] += 1
+        first = first.convert_to_numpy()
+        slots, samples = [], []
+        for j, r in enumerate(group):
+          seq = _Live(r, unit)
+          d = first.get_result_at_slot(j)
+          seq.tokens.append(int(d.tokens[0]))
+          seq.logprobs.append(float(d.log_prob[0]))
+          reason = self._host_finish(seq, bool(first.done[j]))
+          if reason:
+            finish(seq, reason)
+            continue
+          seq.slot = free_slots[len(slots)]
+          slots.append(seq.slot)
+          samples.append(j)
+          live[seq.slot] = seq
+          owners[seq.slot] = r.request_id
+        if slots:
+          self._state = eng.bulk_insert(prefix, self._state, slots, samples)
+
+    def process(result, owner_ids):
+      data = result.convert_to_numpy()
+      for slot in range(eng.max_concurrent_decodes):
+        seq = live.get(slot)
+        if seq is None or seq.request.request_id != owner_ids[slot]:
+          continue  # retired since this call was dispatched: its late tokens are dropped
+        d = data.get_result_at_slot(slot)
+        done = data.done[:, slot]
+        for i in np.flatnonzero(d.valid[:, 0]):
+          seq.tokens.append(int(d.tokens[i, 0]))
+          seq.logprobs.append(float(d.log_prob[i, 0]))
+          reason = self._host_finish(seq, bool(done[i]))
+          if reason:
+            finish(seq, reason)
+            break
+
+    pending = None
+    aborted = False
+    while True:
+      admit()
+      if stop_when is not None and stop_when(Progress(finished, done_units[0], len(live))):
+        aborted = True
+        break
+      if not live and pending is None:
+        if queue:  # cannot happen: `_units` checked that every unit fits an empty engine
+          raise RuntimeError("requests are queued but none can be admitted")
+        break
+      dispatched = None
+      if live:
+        self._state, res = eng.generate_steps(params, self._state, self.steps_per_call)
+        res.copy_to_host_async()
+        stats["generate_calls"] += 1
+        stats["decode_steps"] += self.steps_per_call
+        dispatched = (res, owners.copy())
+      if pending is not None:
+        process(*pending)  # overlaps the call just dispatched
+      pending = dispatched
+    if pending is not None:
+      process(*pending)  # already computed: keep its tokens
+    partial = []
+    for seq in list(live.values()):
+      eng.free_resource(seq.slot)
+      live.pop(seq.slot)
+      partial.append(self._completion(seq, "abort", policy_version))
+    unstarted = [r for u in queue for r in units[u]] if aborted else []
+    return RunResult(finished, partial, unstarted, stats)
+
+  def _units(self, requests: Sequence[Request]) -> list[list[Request]]:
+    """Group requests by group_id (first-appearance order) and check each fits the engine."""
+    eng = self.engine
+    units: dict = {}
+    ids = set()
+    for i, r in enumerate(requests):
+      if r.request_id in ids:
+        raise ValueError(f"request_id {r.request_id} appears twice; ids must be unique in a run")
+      ids.add(r.request_id)
+      key = ("group", r.group_id) if r.group_id is not None else ("single", i)
+      units.setdefault(key, []).append(r)
+    out = list(units.values())
+    for group in out:
+      r0 = group[0]
+      for r in group[1:]:
+        same = (list(r.prompt), r.max_new_tokens, r.stop_token_ids, r.stop_strings) == (
+          list(r0.prompt),
+          r0.max_new_tokens,
+          r0.stop_token_ids,
+          r0.stop_strings,
+        )
+        if not same:
+          raise ValueError(
+            f"requests {r0.request_id} and {r.request_id} share group_id {r.group_id} but differ "
+            "in prompt, max_new_tokens or stop conditions"
+          )
+      eng.check_prompt(len(r0.prompt), r0.max_new_tokens)
+      if len(group) > eng.max_concurrent_decodes:
+        raise ValueError(
+          f"group {r0.group_id} has {len(group)} samples, more than the engine's "
+          f"max_concurrent_decodes={eng.max_concurrent_decodes}"
+        )
+      need = eng.pages_needed(len(r0.prompt), r0.max_new_tokens, len(group))
+      if need > eng.num_pages:
+        raise ValueError(
+          f"request {r0.request_id} (group of {len(group)}) needs {need} KV pages; the engine "
+          f"has num_pages={eng.num_pages}"
+        )
+      if r0.stop_strings and self.tokenizer is None:
+        raise ValueError(f"request {r0.request_id} has stop_strings but no tokenizer was given")
+    return out
+
+  def _stop_ids(self, req: Request) -> tuple[int, ...]:
+    ids = tuple(req.stop_token_ids)
+    return ids + (self.eos_id,) if self.eos_id is not None else ids
+
+  def _host_finish(self, seq: _Live, device_done: bool) -> str | None:
+    """Finish reason after the token just appended, or None to continue."""
+    req = seq.request
+    if seq.tokens[-1] in self._stop_ids(req):
+      return "stop"
+    if req.stop_strings:
+      # Only the tail can hold a new match: a stop string spans at most 4 bytes per character.
+      tail = 4 * max(len(s) for s in req.stop_strings) + 4
+      text = self.tokenizer.decode(seq.tokens[-tail:])
+      if any(s in text for s in req.stop_strings):
+        return "stop_string"
+    if len(seq.tokens) >= req.max_new_tokens:
+      return "length"
+    if device_done:
+      raise RuntimeError(f"device finished request {req.request_id} for no reason the host sees")
+    return None
+
+  @staticmethod
+  def _completion(seq: _Live, reason: str, version: int) -> Completion:
+    return Completion(
+      request_id=seq.request.request_id,
+      group_id=seq.request.group_id,
+      prompt_tokens=np.asarray(seq.request.prompt, np.int32),
+      tokens=np.asarray(seq.tokens, np.int32),
+      logprobs=np.asarray(seq.logprobs, np.float32),
+      finish_reason=reason,
+      policy_version=version,
+    )

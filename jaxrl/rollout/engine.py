@@ -1,0 +1,642 @@
+"""The rollout engine: the JetStream Engine API over a paged KV cache, in continuous batching.
+
+Prefill runs the model's own forward over a contiguous per-prompt cache (bucketed, chunked past
+`prefill_chunk_size`); `insert` / `bulk_insert` copy the prompt's keys into pages of the shared
+pool; `generate` is one jitted decode step over all `max_concurrent_decodes` slots through the
+same forward with a `PagedKV` cache, on a donated `DecodeState`. Host bookkeeping (which pages a
+slot holds) lives in the engine; everything on the device is in the explicit state pytree.
+
+Sampling keys are fold_in(fold_in(key(seed), request_id), token_index), so a request draws the
+same tokens whatever slot it lands in and whatever else is in the batch.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxrl.kernels.paged_attention import PagedKV, write_kv
+from jaxrl.models.config import ModelConfig
+from jaxrl.models.transformer import apply, init_cache, make_model
+from jaxrl.rollout.kv_cache import OutOfPages, PageAllocator, init_pages, pages_for, table_row
+from jaxrl.rollout.sampling import RowSampling, SamplingParams, sample_rows
+
+MIN_PREFILL_BUCKET = 8
+MAX_STOP_TOKENS = 8  # stop-token ids per request checked on the device (EOS included)
+
+
+def request_key(seed: int, request_id: int) -> jax.Array:
+  """The PRNG key data [2] uint32 of one request; token i draws with fold_in(key, i)."""
+  if not 0 <= request_id < 2**31:
+    raise ValueError(f"request_id must be in [0, 2**31), got {request_id}")
+  return jax.random.key_data(jax.random.fold_in(jax.random.key(seed), request_id))
+
+
+class SlotData(NamedTuple):
+  """One slot's (or one sample's) view of a ResultTokens; leading step axis for multi-step."""
+
+  tokens: np.ndarray  # [..., 1] int32
+  valid: np.ndarray  # [..., 1] bool: a token was produced for this slot at this step
+  lengths: np.ndarray  # [...] int32: tokens generated so far, this one included
+  log_prob: np.ndarray  # [..., 1] float32 behaviour log-prob of the token
+
+
+@dataclasses.dataclass
+class ResultTokens:
+  """Every slot's token, validity, length, done flag and log-prob in ONE int32 array.
+
+  data: [B, 5] (one step) or [steps, B, 5]; the log-prob column holds float32 bits, so one
+  device->host copy carries everything the host loop needs.
+  """
+
+  data: jax.Array | np.ndarray
+  tokens_idx: tuple[int, int] = (0, 1)
+  valid_idx: tuple[int, int] = (1, 2)
+  length_idx: tuple[int, int] = (2, 3)
+  done_idx: tuple[int, int] = (3, 4)  # the slot finished (stop token / max tokens) at this token
+  log_prob_idx: tuple[int, int] = (4, 5)
+  samples_per_slot: int = 1
+
+  def copy_to_host_async(self) -> None:
+    if isinstance(self.data, jax.Array):
+      self.data.copy_to_host_async()
+
+  def convert_to_numpy(self) -> ResultTokens:
+    return dataclasses.replace(self, data=np.asarray(self.data))
+
+  def get_result_at_slot(self, slot: int) -> SlotData:
+    d = np.asarray(self.data)[..., slot, :]
+    return SlotData(
+      tokens=d[..., slice(*self.tokens_idx)],
+      valid=d[..., slice(*self.valid_idx)].astype(bool),
+      lengths=d[..., self.length_idx[0]],
+      log_prob=np.ascontiguousarray(d[..., slice(*self.log_prob_idx)]).view(np.float32),
+    )
+
+  @property
+  def done(self) -> np.ndarray:
+    return np.asarray(self.data)[..., self.done_idx[0]].astype(bool)
+
+
+def _pack(tokens, valid, lengths, done, logprobs) -> jax.Array:
+  lp_bits = jax.lax.bitcast_convert_type(logprobs.astype(jnp.float32), jnp.int32)
+  cols = (tokens, valid.astype(jnp.int32), lengths, done.astype(jnp.int32), lp_bits)
+  return jnp.stack([c.astype(jnp.int32) for c in cols], axis=-1)
+
+
+class Prefix(NamedTuple):
+  """A prefilled prompt: its contiguous KV cache and the first token of each of its G samples."""
+
+  cache: tuple  # L pairs (k, v), each [1, S, K, H]; positions [0, length) are the prompt
+  length: int  # prompt tokens prefilled so far (host int)
+  tokens: jax.Array  # [G] int32 first sampled tokens (meaningful once the prompt is complete)
+  logprobs: jax.Array  # [G] float32
+  keys: jax.Array  # [G, 2] uint32 per-sample request keys
+  sampling: RowSampling  # [G] per-sample parameters
+  max_new_tokens: int
+  stop_ids: np.ndarray  # [MAX_STOP_TOKENS] int32, -1 = unused
+
+
+class DecodeState(NamedTuple):
+  """Everything a decode step reads and writes, for all B = max_concurrent_decodes slots."""
+
+  k_pages: tuple  # L arrays [P, page_size, K, H]
+  v_pages: tuple
+  page_table: jax.Array  # [B, M] int32
+  lengths: jax.Array  # [B] int32 positions in the cache = position of the token fed next
+  tokens: jax.Array  # [B] int32 the last sampled token, fed at the next step
+  steps: jax.Array  # [B] int32 tokens generated so far (= index of the next one to draw)
+  active: jax.Array  # [B] bool
+  max_new: jax.Array  # [B] int32
+  stop_ids: jax.Array  # [B, MAX_STOP_TOKENS] int32
+  keys: jax.Array  # [B, 2] uint32
+  sampling: RowSampling  # [B] arrays
+
+
+def _step_keys(keys, index):
+  return jax.vmap(lambda k, i: jax.random.fold_in(jax.random.wrap_key_data(k), i))(keys, index)
+
+
+class Engine:
+  """JetStream-style engine. Build once per (model, slot count, page budget); reuse across runs.
+
+  Args:
+    cfg, graphdef: the model (params are passed to every call: the learner's own arrays).
+    max_concurrent_decodes: B, the decode batch (slots).
+    num_pages, page_size: the KV budget, num_pages * page_size positions shared by all slots.
+    max_prefill_length: the longest prompt accepted.
+    prefill_chunk_size: longer prompts are prefilled in chunks of this many tokens (a power of
+      two); default min(max_prefill_length rounded up to a power of two, 512).
+    max_target_length: the longest prompt + completion of one slot (page-table width);
+      default the model's max_seq_len.
+    tokenizer: returned by `get_tokenizer` (the driver detokenises with it for stop strings).
+    seed: default seed of request keys when `prefill` is called without `rng`.
+  """
+
+  def __init__(
+    self,
+    cfg: ModelConfig,
+    graphdef: nnx.GraphDef,
+    *,
+    max_concurrent_decodes: int,
+    num_pages: int,
+    page_size: int = 16,
+    max_prefill_length: int,
+    prefill_chunk_size: int | None = None,
+    max_target_length: int | None = None,
+    tokenizer=None,
+    seed: int = 0,
+    mesh: jax.sharding.Mesh | None = None,
+  ):
+    for name, value in (
+      ("max_concurrent_decodes", max_concurrent_decodes),
+      ("num_pages", num_pages),
+      ("page_size", page_size),
+      ("max_prefill_length", max_prefill_length),
+    ):
+      if not isinstance(value, int) or value <= 0:
+        raise ValueError(f"engine {name} must be a positive int, got {value!r}")
+    max_target_length = max_target_length or cfg.max_seq_len
+    if max_target_length > cfg.max_seq_len:
+      raise ValueError(
+        f"engine max_target_length={max_target_length} exceeds the model's "
+        f"max_seq_len={cfg.max_seq_len}"
+      )
+    if max_prefill_length >= max_target_length:
+      raise ValueError(
+        f"engine max_prefill_length={max_prefill_length} must be < "
+        f"max_target_length={max_target_length} (room for at least one new token)"
+      )
+    if prefill_chunk_size is None:
+      prefill_chunk_size = min(_next_pow2(max_prefill_length), 512)
+    if prefill_chunk_size < MIN_PREFILL_BUCKET or prefill_chunk_size & (prefill_chunk_size - 1):
+      raise ValueError(
+        f"engine prefill_chunk_size={prefill_chunk_size} must be a power of two >= "
+        f"{MIN_PREFILL_BUCKET}"
+      )
+    self.cfg, self.graphdef = cfg, graphdef
+    self._slots = max_concurrent_decodes
+    self.num_pages, self.page_size = num_pages, page_size
+    self._max_prefill = max_prefill_length
+    self._chunk = prefill_chunk_size
+    self.max_target_length = max_target_length
+    self.max_pages_per_seq = pages_for(max_target_length, page_size)
+    self._tokenizer = tokenizer
+    self.seed = seed
+    self._mesh = mesh
+    self.allocator = PageAllocator(num_pages)
+    self.slot_pages: dict[int, list[int]] = {}
+    self._released: set[int] = set()  # freed slots still active on the device
+    self.stats = collections.Counter()
+    self._prefill_jit = jax.jit(self._prefill_fn, donate_argnums=1)
+    self._insert_jit = jax.jit(self._insert_fn, donate_argnums=0)
+    self._generate_jit = jax.jit(self._generate_fn, donate_argnums=1)
+    self._generate_steps_jit = jax.jit(self._generate_fn, static_argnums=2, donate_argnums=1)
+    self._deactivate_jit = jax.jit(
+      lambda st, mask: st._replace(active=st.active & ~mask), donate_argnums=0
+    )
+
+  # --- properties of the JetStream contract -------------------------------------------------
+  @property
+  def max_concurrent_decodes(self) -> int:
+    return self._slots
+
+  @property
+  def samples_per_slot(self) -> int:
+    return 1
+
+  @property
+  def max_prefill_length(self) -> int:
+    return self._max_prefill
+
+  @property
+  def mesh(self):
+    return self._mesh
+
+  @property
+  def colocated_cpus(self):
+    return None
+
+  @property
+  def use_chunked_prefill(self) -> bool:
+    return self._chunk < self._max_prefill
+
+  @property
+  def prefill_chunk_size(self) -> int:
+    return self._chunk
+
+  @property
+  def generate_compiles(self) -> int:
+    """Compiled variants of the decode step (single- and multi-step): 1 after a steady run."""
+    return self._generate_jit._cache_size() + self._generate_steps_jit._cache_size()
+
+  def get_tokenizer(self):
+    return self._tokenizer
+
+  def load_params(self, params=None, *, seed: int = 0):
+    """The params to pass to every call: `params` as given (no copy), or a fresh init."""
+    return params if params is not None else make_model(self.cfg, seed)[1]
+
+  def get_prefix_destination_sharding(self):
+    """Prefixes stay on the device they were computed on (one mesh: replicated)."""
+    if self._mesh is None:
+      return None
+    return jax.sharding.NamedSharding(self._mesh, jax.sharding.PartitionSpec())
+
+  # --- prefill ------------------------------------------------------------------------------
+  def prefill_bucket(self, length: int) -> int:
+    """Padded length of a prompt (or last chunk) of `length` tokens: a power of two."""
+    return min(max(_next_pow2(length), MIN_PREFILL_BUCKET), self._chunk)
+
+  def check_prompt(self, length: int, max_new_tokens: int) -> None:
+    if length <= 0:
+      raise ValueError("prompt is empty; it needs at least one token")
+    if length > self._max_prefill:
+      raise ValueError(
+        f"prompt has {length} tokens, longer than the engine's max_prefill_length of "
+        f"{self._max_prefill}"
+      )
+    if max_new_tokens <= 0:
+      raise ValueError(f"max_new_tokens must be positive, got {max_new_tokens}")
+    if length + max_new_tokens > self.max_target_length:
+      raise ValueError(
+        f"prompt of {length} tokens + max_new_tokens={max_new_tokens} exceeds the engine's "
+        f"max_target_length of {self.max_target_length}"
+      )
+
+  def prefill(
+    self,
+    *,
+    params,
+    existing_prefix=None,
+    padded_tokens,
+    true_length,
+    sampler=None,
+    request_id=None,
+    rng=None,
+    max_new_tokens=None,
+    stop_token_ids=(),
+  ):
+    """Prefill one chunk (the whole prompt if it fits) and draw one first token."""
+    return self.prefill_multisampling(
+      params=params,
+      existing_prefix=existing_prefix,
+      padded_tokens=padded_tokens,
+      true_length=true_length,
+      sampler=sampler,
+      rng=rng,
+      num_samples=1,
+      request_id=request_id,
+      max_new_tokens=max_new_tokens,
+      stop_token_ids=stop_token_ids,
+    )
+
+  def prefill_multisampling(
+    self,
+    *,
+    params,
+    existing_prefix: Prefix | None = None,
+    padded_tokens,
+    true_length: int,
+    sampler: SamplingParams | Sequence[SamplingParams] | None = None,
+    rng=None,
+    num_samples: int = 1,
+    request_id: int | None = None,
+    max_new_tokens: int | None = None,
+    stop_token_ids: Sequence[int] = (),
+  ) -> tuple[Prefix, ResultTokens]:
+    """Run `padded_tokens` [T] (its first `true_length` real) after `existing_prefix`, then draw
+    `num_samples` first tokens from the last real position: a GRPO group shares this prefill.
+
+    sampler: one SamplingParams for all samples or one per sample (default: temperature 1).
+    rng: [num_samples] PRNG keys (typed or key data); default request_key(engine seed,
+    request_id + j). max_new_tokens / stop_token_ids are carried to `insert`.
+    Returns (Prefix, ResultTokens with data [num_samples, 5]).
+    """
+    tokens = np.asarray(padded_tokens, np.int32).reshape(-1)
+    t = tokens.shape[0]
+    start = 0 if existing_prefix is None else existing_prefix.length
+    if not 0 < true_length <= t:
+      raise ValueError(f"true_length={true_length} must be in [1, len(padded_tokens)={t}]")
+    total = start + true_length
+    max_new = self.max_target_length - total if max_new_tokens is None else max_new_tokens
+    self.check_prompt(total, max_new)
+    samplers = _per_sample(sampler, num_samples)
+    stop_ids = _stop_array(stop_token_ids)
+    keys = self._sample_keys(rng, num_samples, request_id)
+    capacity = self._capacity(start + t)
+    if existing_prefix is None:
+      cache = init_cache(self.cfg, 1, capacity)
+    else:
+      cache = existing_prefix.cache
+      if cache[0][0].shape[1] < capacity:  # a later chunk: grow to the next capacity bucket
+        pad = ((0, 0), (0, capacity - cache[0][0].shape[1]), (0, 0), (0, 0))
+        cache = tuple((jnp.pad(k, pad), jnp.pad(v, pad)) for k, v in cache)
+    rows = RowSampling.stack(samplers)
+    cache, first, logp, data = self._prefill_jit(
+      params,
+      cache,
+      tokens[None],
+      np.int32(start),
+      np.int32(true_length),
+      keys,
+      rows,
+      stop_ids,
+      np.int32(max_new),
+    )
+    self.stats["prefill_calls"] += 1
+    self.stats["prefill_tokens"] += t
+    prefix = Prefix(cache, total, first, logp, keys, rows, max_new, stop_ids)
+    return prefix, ResultTokens(data, samples_per_slot=num_samples)
+
+  def prefill_prompt(self, params, prompt: Sequence[int], **kw) -> tuple[Prefix, ResultTokens]:
+    """Prefill a whole prompt (token ids), bucketed, in chunks past `prefill_chunk_size`.
+
+    Keyword arguments are those of `prefill_multisampling` (sampler, rng, num_samples, ...).
+    """
+    prompt = np.asarray(prompt, np.int32).reshape(-1)
+    n = len(prompt)
+    self.check_prompt(n, kw.get("max_new_tokens") or 1)
+    # An empty prefix sized for the whole prompt: one cache shape (one compile) for every chunk.
+    prefix = None if n <= self._chunk else self._empty_prefix(self._capacity(n))
+    for start in range(0, n, self._chunk):
+      piece = prompt[start : start + self._chunk]
+      # Chunks of a long prompt all have the chunk shape; a short prompt gets its own bucket.
+      width = self._chunk if n > self._chunk else self.prefill_bucket(len(piece))
+      padded = np.zeros(width, np.int32)
+      padded[: len(piece)] = piece
+      prefix, result = self.prefill_multisampling(
+        params=params, existing_prefix=prefix, padded_tokens=padded, true_length=len(piece), **kw
+      )
+    return prefix, result
+
+  def _empty_prefix(self, capacity: int) -> Prefix:
+    none = np.zeros(0)
+    return Prefix(init_cache(self.cfg, 1, capacity), 0, none, none, none, None, 0, none)
+
+  def _capacity(self, n: int) -> int:
+    """Prefix cache length: the prompt bucket, or whole chunks in a power-of-two count."""
+    if n <= self._chunk:
+      return self.prefill_bucket(n)
+    return self._chunk * _next_pow2(pages_for(n, self._chunk))
+
+  def _sample_keys(self, rng, num_samples: int, request_id: int | None) -> np.ndarray:
+    if rng is None:
+      base = 0 if request_id is None else request_id
+      return np.stack([request_key(self.seed, base + j) for j in range(num_samples)])
+    if jax.dtypes.issubdtype(rng.dtype, jax.dtypes.prng_key):
+      rng = jax.random.key_data(rng)
+    if rng.shape != (num_samples, 2):
+      raise ValueError(f"rng has shape {rng.shape}; num_samples={num_samples} needs one key each")
+    return rng
+
+  def _prefill_fn(self, params, cache, tokens, start, true_len, keys, rows, stop_ids, max_new):
+    s, t = cache[0][0].shape[1], tokens.shape[1]
+    positions = start + jnp.arange(t, dtype=jnp.int32)[None]
+    kv_valid = (jnp.arange(s) < start + true_len)[None]
+    logits, cache = apply(
+      self.graphdef,
+      params,
+      tokens,
+      positions,
+      kv_valid,
+      cache=cache,
+      cache_index=start,
+      logits_at=(true_len - 1)[None],
+    )
+    g = keys.shape[0]
+    logits = jnp.broadcast_to(logits, (g, logits.shape[-1]))
+    first, logp = sample_rows(logits, _step_keys(keys, jnp.zeros(g, jnp.int32)), rows)
+    done = jnp.any(first[:, None] == stop_ids[None], -1) | (max_new <= 1)
+    return cache, first, logp, _pack(first, jnp.ones(g, bool), jnp.ones(g, jnp.int32), done, logp)
+
+  # --- decode state, insert, free -----------------------------------------------------------
+  def init_decode_state(self) -> DecodeState:
+    """A fresh pool and empty slots; the host page bookkeeping is reset with it."""
+    self.allocator = PageAllocator(self.num_pages)
+    self.slot_pages.clear()
+    self._released.clear()
+    b, m = self._slots, self.max_pages_per_seq
+    k_pages, v_pages = init_pages(self.cfg, self.num_pages, self.page_size)
+    return DecodeState(
+      k_pages=k_pages,
+      v_pages=v_pages,
+      page_table=jnp.zeros((b, m), jnp.int32),
+      lengths=jnp.zeros(b, jnp.int32),
+      tokens=jnp.zeros(b, jnp.int32),
+      steps=jnp.zeros(b, jnp.int32),
+      active=jnp.zeros(b, bool),
+      max_new=jnp.zeros(b, jnp.int32),
+      stop_ids=jnp.full((b, MAX_STOP_TOKENS), -1, jnp.int32),
+      keys=jnp.zeros((b, 2), jnp.uint32),
+      sampling=RowSampling(
+        jnp.ones(b, jnp.float32),
+        jnp.zeros(b, jnp.int32),
+        jnp.ones(b, jnp.float32),
+        jnp.zeros(b, jnp.float32),
+      ),
+    )
+
+  def pages_needed(self, prompt_len: int, max_new_tokens: int, num_samples: int = 1) -> int:
+    """Pages `bulk_insert` takes for a group: shared full prompt pages once, the rest per sample.
+
+    A slot stores its prompt and every generated token but the last (never fed back).
+    """
+    total = pages_for(prompt_len + max_new_tokens - 1, self.page_size)
+    shared = prompt_len // self.page_size
+    return shared + num_samples * (total - shared)
+
+  def insert(self, prefix: Prefix, decode_state: DecodeState, slot: int, request_id=None):
+    """Place a (single-sample) prefix in a free slot."""
+    del request_id  # the request key travels in the prefix
+    return self.bulk_insert(prefix, decode_state, [slot])
+
+  def bulk_insert(
+    self, prefix: Prefix, decode_state: DecodeState, slots: Sequence[int], sample_ids=None
+  ) -> DecodeState:
+    """Place sample sample_ids[j] (default j) of a prefix in slots[j], sharing prompt pages.
+
+    The prompt's full pages are allocated once and held by every slot (one reference each);
+    each slot gets its own pages for the partly filled last prompt page and its completion.
+    Raises OutOfPages (allocating nothing) when the pool is short.
+    """
+    slots = [int(s) for s in slots]
+    sample_ids = list(range(len(slots))) if sample_ids is None else [int(j) for j in sample_ids]
+    if len(sample_ids) != len(slots) or not slots:
+      raise ValueError(f"bulk_insert needs one sample id per slot, got {sample_ids} for {slots}")
+    for s in slots:
+      if not 0 <= s < self._slots or s in self.slot_pages:
+        raise ValueError(f"slot {s} is not a free slot of [0, {self._slots})")
+    if len(set(slots)) != len(slots):
+      raise ValueError(f"bulk_insert slots must differ, got {slots}")
+    n, g = prefix.length, len(slots)
+    need = self.pages_needed(n, prefix.max_new_tokens, g)
+    if need > self.allocator.num_free:
+      raise OutOfPages(f"need {need} KV pages, {self.allocator.num_free} are free")
+    decode_state = self._apply_releases(decode_state)
+    n_shared = n // self.page_size
+    own = pages_for(n + prefix.max_new_tokens - 1, self.page_size) - n_shared
+    shared = self.allocator.alloc(n_shared)
+    self.allocator.share(shared, g - 1)
+    rows, write_from = [], []
+    for j, s in enumerate(slots):
+      pages = shared + self.allocator.alloc(own)
+      self.slot_pages[s] = pages
+      rows.append(table_row(pages, self.max_pages_per_seq))
+      write_from.append(0 if j == 0 else n_shared * self.page_size)  # shared pages written once
+    self.stats["insert_calls"] += 1
+    return self._insert_jit(
+      decode_state,
+      prefix.cache,
+      np.int32(n),
+      np.asarray(slots, np.int32),
+      np.stack(rows),
+      np.asarray(write_from, np.int32),
+      np.asarray(sample_ids, np.int32),
+      prefix.tokens,
+      prefix.keys,
+      prefix.sampling,
+      np.int32(prefix.max_new_tokens),
+      prefix.stop_ids,
+    )
+
+  def _insert_fn(
+    self, st, cache, length, slots, rows, write_from, samples, first, keys, sampling, max_new, stop
+  ):
+    g, s = rows.shape[0], cache[0][0].shape[1]
+    pos = jnp.arange(s, dtype=jnp.int32)[None]
+    pos = jnp.where(pos >= write_from[:, None], pos, -1)  # [G, S], -1: skipped
+    lengths = jnp.full((g,), length, jnp.int32)
+    k_pages, v_pages = [], []
+    for (pk, pv), (ck, cv) in zip(zip(st.k_pages, st.v_pages, strict=True), cache, strict=True):
+      paged = write_kv(
+        PagedKV(pk, pv, rows, lengths),
+        jnp.broadcast_to(ck, (g, *ck.shape[1:])),
+        jnp.broadcast_to(cv, (g, *cv.shape[1:])),
+        pos,
+      )
+      k_pages.append(paged.k_pages)
+      v_pages.append(paged.v_pages)
+    tok = first[samples]
+    done = jnp.any(tok[:, None] == stop[None], -1) | (max_new <= 1)
+    put = lambda a, x: a.at[slots].set(x)
+    return st._replace(
+      k_pages=tuple(k_pages),
+      v_pages=tuple(v_pages),
+      page_table=put(st.page_table, rows),
+      lengths=put(st.lengths, lengths),
+      tokens=put(st.tokens, tok),
+      steps=put(st.steps, jnp.ones(g, jnp.int32)),
+      active=put(st.active, ~done),
+      max_new=put(st.max_new, jnp.full((g,), max_new, jnp.int32)),
+      stop_ids=put(st.stop_ids, jnp.broadcast_to(stop, (g, stop.shape[0]))),
+      keys=put(st.keys, keys[samples]),
+      sampling=jax.tree.map(lambda a, x: put(a, x[samples]), st.sampling, sampling),
+    )
+
+  def free_resource(self, slot: int) -> None:
+    """Release a slot's pages (shared prompt pages lose one reference). The slot stops on the
+    device at the next `generate`/`insert`, before any freed page can be handed out again."""
+    pages = self.slot_pages.pop(int(slot), None)
+    if pages is None:
+      raise ValueError(f"slot {slot} holds no pages")
+    self.allocator.release(pages)
+    self._released.add(int(slot))
+
+  def _apply_releases(self, st: DecodeState) -> DecodeState:
+    if not self._released:
+      return st
+    mask = np.zeros(self._slots, bool)
+    mask[list(self._released)] = True
+    self._released.clear()
+    return self._deactivate_jit(st, mask)
+
+  # --- generate -----------------------------------------------------------------------------
+  def generate(self, params, decode_state: DecodeState, sampler=None):
+    """One decode step for every slot: (new DecodeState, ResultTokens [B, 5]). Jitted once."""
+    del sampler  # per-slot sampling parameters live in the decode state
+    decode_state = self._apply_releases(decode_state)
+    self.stats["generate_calls"] += 1
+    self.stats["decode_steps"] += 1
+    st, data = self._generate_jit(params, decode_state)
+    return st, ResultTokens(data)
+
+  def generate_steps(self, params, decode_state: DecodeState, num_steps: int):
+    """`num_steps` decode steps in one jitted call (lax.scan): ResultTokens [num_steps, B, 5].
+
+    Slots that finish stop on the device (their `valid` turns False), so a slot never writes
+    past its pages, however many steps run.
+    """
+    decode_state = self._apply_releases(decode_state)
+    self.stats["generate_calls"] += 1
+    self.stats["decode_steps"] += num_steps
+    st, data = self._generate_steps_jit(params, decode_state, num_steps)
+    return st, ResultTokens(data)
+
+  def _generate_fn(self, params, st: DecodeState, num_steps: int | None = None):
+    if num_steps is None:
+      return self._decode_step(params, st)
+    return jax.lax.scan(lambda c, _: self._decode_step(params, c), st, None, length=num_steps)
+
+  def _decode_step(self, params, st: DecodeState):
+    b = st.tokens.shape[0]
+    write_len = jnp.where(st.active, st.lengths + 1, 0)  # idle slots write nothing
+    cache = tuple(
+      PagedKV(k, v, st.page_table, write_len) for k, v in zip(st.k_pages, st.v_pages, strict=True)
+    )
+    logits, cache = apply(
+      self.graphdef,
+      params,
+      st.tokens[:, None],
+      st.lengths[:, None],
+      st.active[:, None],
+      cache=cache,
+      logits_at=jnp.zeros(b, jnp.int32),
+    )
+    tok, logp = sample_rows(logits, _step_keys(st.keys, st.steps), st.sampling)
+    produced = st.active
+    steps = st.steps + produced
+    stop = jnp.any(tok[:, None] == st.stop_ids, -1)
+    done = produced & (stop | (steps >= st.max_new))
+    new = st._replace(
+      k_pages=tuple(c.k_pages for c in cache),
+      v_pages=tuple(c.v_pages for c in cache),
+      lengths=st.lengths + produced,
+      tokens=jnp.where(produced, tok, st.tokens),
+      steps=steps,
+      active=produced & ~done,
+    )
+    return new, _pack(tok, produced, steps, done, logp)
+
+
+def _next_pow2(n: int) -> int:
+  return 1 << max(n - 1, 0).bit_length()
+
+
+def _per_sample(sampler, num_samples: int) -> list[SamplingParams]:
+  if num_samples <= 0:
+    raise ValueError(f"num_samples must be positive, got {num_samples}")
+  if sampler is None or isinstance(sampler, SamplingParams):
+    return [sampler or SamplingParams()] * num_samples
+  sampler = list(sampler)
+  if len(sampler) != num_samples:
+    raise ValueError(f"{len(sampler)} samplers given; num_samples={num_samples} needs one each")
+  return sampler
+
+
+def _stop_array(stop_token_ids) -> np.ndarray:
+  ids = sorted({int(i) for i in stop_token_ids})
+  if len(ids) > MAX_STOP_TOKENS:
+    raise ValueError(f"{len(ids)} stop_token_ids given; at most {MAX_STOP_TOKENS} are supported")
+  if any(i < 0 for i in ids):
+    raise ValueError(f"stop_token_ids must be non-negative token ids, got {ids}")
+  out = np.full(MAX_STOP_TOKENS, -1, np.int32)
+  out[: len(ids)] = ids
+  return out

@@ -1,0 +1,255 @@
+"""Driver tests: queueing under a small page budget, groups, stop tokens and strings, abort,
+learner log-prob parity and compile counts."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxrl.models import ModelConfig, Transformer
+from jaxrl.models.transformer import apply as _apply
+from jaxrl.models.transformer import token_logprobs as _token_logprobs
+from jaxrl.rollout.driver import Driver, Request, complete_groups
+from jaxrl.rollout.engine import Engine
+from jaxrl.rollout.sampling import SamplingParams
+from jaxrl.tokenizer import ByteTokenizer
+
+apply = jax.jit(_apply, static_argnums=0)
+token_logprobs = jax.jit(_token_logprobs, static_argnums=0)
+
+S = 40
+GREEDY = SamplingParams(temperature=0.0)
+SAMPLED = SamplingParams(temperature=0.8, top_p=0.9)
+TOK = ByteTokenizer()
+
+
+@functools.cache
+def _model():
+  """The tiny model with numpy-drawn weights (see engine_test: far from uniform, fast to build)."""
+  cfg = ModelConfig.tiny()
+  graphdef, abstract = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0))))
+  rng = np.random.default_rng(0)
+
+  def draw(path, leaf):
+    z = rng.normal(size=leaf.shape)
+    is_scale = "'scale'" in jax.tree_util.keystr(path)
+    return jnp.asarray(1.0 + 0.1 * z if is_scale else 0.15 * z, leaf.dtype)
+
+  return cfg, graphdef, jax.tree_util.tree_map_with_path(draw, abstract)
+
+
+@functools.cache
+def _engine() -> Engine:
+  cfg, graphdef, _ = _model()
+  # 16 pages of 4 tokens: room for about two sequences of 20 + 10 at once, with 3 slots.
+  return Engine(
+    cfg,
+    graphdef,
+    max_concurrent_decodes=3,
+    num_pages=16,
+    page_size=4,
+    max_prefill_length=20,
+    prefill_chunk_size=8,
+    max_target_length=S,
+    tokenizer=TOK,
+  )
+
+
+def _prompt(i):
+  return TOK.encode(f"q{i}: {i * 7 % 13}+{i}=", add_bos=True)[: 3 + 2 * i]
+
+
+def _requests(n_groups=2, g=3, n_single=4, max_new=10):
+  reqs, rid = [], 0
+  for k in range(n_groups):
+    for _ in range(g):
+      reqs.append(
+        Request(_prompt(k + 4), rid, group_id=k, sampling=SAMPLED, max_new_tokens=max_new)
+      )
+      rid += 1
+  for k in range(n_single):
+    reqs.append(Request(_prompt(k), rid, sampling=GREEDY, max_new_tokens=max_new))
+    rid += 1
+  return reqs
+
+
+def _learner_logprobs(prompt, completion, temperature):
+  _, graphdef, params = _model()
+  seq = list(prompt) + list(completion)
+  tokens = np.zeros((1, S), np.int32)
+  tokens[0, : len(seq)] = seq
+  logp = token_logprobs(
+    graphdef, params, tokens, np.arange(S)[None] < len(seq), temperature=temperature
+  )
+  return np.asarray(logp)[0, len(prompt) : len(seq)]
+
+
+def _greedy_reference(prompt, n):
+  _, graphdef, params = _model()
+  seq = list(prompt)
+  for _ in range(n):
+    tokens = jnp.asarray([seq + [0] * (S - len(seq))], jnp.int32)
+    logits, _ = apply(graphdef, params, tokens, jnp.arange(S)[None], jnp.ones((1, S), bool))
+    seq.append(int(jnp.argmax(logits[0, len(seq) - 1])))
+  return seq[len(prompt) :]
+
+
+def _check_logprobs(c, sampling):
+  assert len(c.tokens) == len(c.logprobs) > 0
+  learner = _learner_logprobs(c.prompt_tokens, c.tokens, sampling.logprob_temperature)
+  np.testing.assert_allclose(c.logprobs, learner, atol=1e-5, rtol=0)
+
+
+def test_more_requests_than_pages_are_queued_and_all_finish():
+  eng, (_, _, params) = _engine(), _model()
+  # No EOS, so every sequence runs to max_new_tokens and the page budget really binds.
+  driver = Driver(eng, steps_per_call=4, eos_id=None, tokenizer=TOK)
+  reqs = _requests()
+  res = driver.run(params, reqs, policy_version=7, seed=1)
+  assert not res.partial and not res.unstarted
+  assert sorted(c.request_id for c in res.finished) == [r.request_id for r in reqs]
+  assert res.stats["queued_waits"] > 0  # admission really waited for pages / slots
+  assert res.stats["prefill_calls"] == 2 + 4  # one per group, one per single
+  assert eng.allocator.num_free == eng.num_pages and not eng.slot_pages
+  by_id = {r.request_id: r for r in reqs}
+  for c in res.finished:
+    r = by_id[c.request_id]
+    assert c.policy_version == 7 and c.finish_reason == "length" and len(c.tokens) == 10
+    np.testing.assert_array_equal(c.prompt_tokens, r.prompt)
+    _check_logprobs(c, r.sampling)
+    if r.group_id is None:
+      np.testing.assert_array_equal(c.tokens, _greedy_reference(r.prompt, 10))
+  # Same seed, same rollouts; the decode step compiled once through all insertions.
+  again = driver.run(params, reqs, policy_version=7, seed=1)
+  first_run = {c.request_id: c.tokens for c in res.finished}
+  for c in again.finished:
+    np.testing.assert_array_equal(c.tokens, first_run[c.request_id])
+  assert eng.generate_compiles == 1
+
+
+def test_stop_token_and_stop_string():
+  eng, (_, _, params) = _engine(), _model()
+  prompt = _prompt(3)
+  greedy = _greedy_reference(prompt, 10)
+  # EOS = the 5th greedy token (first occurrence): the sequence stops there, EOS included.
+  eos = greedy[4]
+  cut = greedy.index(eos) + 1
+  res = Driver(eng, steps_per_call=4, eos_id=eos).run(
+    params, [Request(prompt, 0, sampling=GREEDY, max_new_tokens=10)]
+  )
+  (c,) = res.finished
+  assert c.finish_reason == "stop"
+  np.testing.assert_array_equal(c.tokens, greedy[:cut])
+  # A stop string spanning greedy tokens 3..4 (as text): stop at the token that completes it.
+  stop = TOK.decode(greedy[2:4], skip_special=False)
+  req = Request(prompt, 1, sampling=GREEDY, max_new_tokens=10, stop_strings=(stop,))
+  (c,) = Driver(eng, steps_per_call=4, eos_id=None).run(params, [req]).finished
+  assert c.finish_reason == "stop_string"
+  n = next(i + 1 for i in range(10) if stop in TOK.decode(greedy[: i + 1], skip_special=False))
+  np.testing.assert_array_equal(c.tokens, greedy[:n])
+  assert eng.allocator.num_free == eng.num_pages
+
+
+def test_abort_returns_partial_sequences_intact():
+  eng, (_, _, params) = _engine(), _model()
+  driver = Driver(eng, steps_per_call=4, eos_id=None)
+  reqs = _requests(n_groups=3, g=2, n_single=2, max_new=25)
+  res = driver.run(params, reqs, policy_version=2, seed=5, stop_when=complete_groups(1))
+  assert len(res.finished) >= 1 and res.partial and res.unstarted
+  seen = [c.request_id for c in res.finished + res.partial] + [r.request_id for r in res.unstarted]
+  assert sorted(seen) == [r.request_id for r in reqs]
+  by_id = {r.request_id: r for r in reqs}
+  for c in res.partial:
+    assert c.finish_reason == "abort" and 0 < len(c.tokens) < 25 and c.policy_version == 2
+    _check_logprobs(c, by_id[c.request_id].sampling)
+  assert eng.allocator.num_free == eng.num_pages and not eng.slot_pages
+  # The engine is reusable after an abort: the aborted slots were stopped on the device.
+  rerun = driver.run(params, res.unstarted, seed=5)
+  assert len(rerun.finished) == len(res.unstarted)
+  assert eng.generate_compiles == 1
+
+
+def test_bad_requests_fail_before_any_work():
+  eng, (_, _, params) = _engine(), _model()
+  driver = Driver(eng)
+  calls = eng.stats["prefill_calls"]
+  too_long = [
+    Request([5] * 4, 0, max_new_tokens=8),
+    Request(list(range(3, 24)), 1, max_new_tokens=8),
+  ]
+  with pytest.raises(
+    ValueError, match="21 tokens, longer than the engine's max_prefill_length of 20"
+  ):
+    driver.run(params, too_long)
+  big_group = [Request([5, 6], i, group_id=0, max_new_tokens=8) for i in range(4)]
+  with pytest.raises(
+    ValueError, match="4 samples, more than the engine's max_concurrent_decodes=3"
+  ):
+    driver.run(params, big_group)
+  mixed = [Request([5, 6], 0, group_id=0), Request([5, 7], 1, group_id=0)]
+  with pytest.raises(
+    ValueError, match="max_new_tokens=64 exceeds the engine's max_target_length of 40"
+  ):
+    driver.run(params, [Request([5, 6], 0)])
+  with pytest.raises(ValueError, match="share group_id 0 but differ"):
+    driver.run(params, mixed)
+  with pytest.raises(ValueError, match="appears twice"):
+    driver.run(params, [Request([5], 0), Request([6], 0)])
+  assert eng.stats["prefill_calls"] == calls
+
+
+def test_static_batching_matches_continuous_and_waits_for_whole_batches(monkeypatch):
+  eng, (_, _, params) = _engine(), _model()
+  # Long-tailed lengths (per-request max_new_tokens, no EOS), groups and sampled singles.
+  reqs, rid = [], 0
+  for k, n in enumerate([2, 12, 3, 5, 1, 9, 4]):
+    for _ in range(2 if k in (1, 4) else 1):
+      group = k if k in (1, 4) else None
+      reqs.append(Request(_prompt(k), rid, group_id=group, sampling=SAMPLED, max_new_tokens=n))
+      rid += 1
+  # Record, at every bulk_insert, the decode calls so far and the slots already occupied.
+  log, calls = [], [0]
+  bulk_insert, generate_steps = eng.bulk_insert, eng.generate_steps
+
+  def logged_insert(prefix, state, slots, sample_ids=None):
+    log.append((calls[0], set(eng.slot_pages), len(slots)))
+    return bulk_insert(prefix, state, slots, sample_ids)
+
+  def counted_generate(*args):
+    calls[0] += 1
+    return generate_steps(*args)
+
+  monkeypatch.setattr(eng, "bulk_insert", logged_insert)
+  monkeypatch.setattr(eng, "generate_steps", counted_generate)
+
+  runs = {}
+  for mode in ("continuous", "static"):
+    log.clear()
+    res = Driver(eng, steps_per_call=2, eos_id=None, batching=mode).run(params, reqs, seed=3)
+    assert not res.partial and not res.unstarted
+    runs[mode] = ({c.request_id: c for c in res.finished}, list(log), res.stats)
+  cont, stat = runs["continuous"][0], runs["static"][0]
+  assert sorted(cont) == sorted(stat) == [r.request_id for r in reqs]
+  for r in reqs:
+    a, b = cont[r.request_id], stat[r.request_id]
+    assert len(a.tokens) == r.max_new_tokens and a.finish_reason == b.finish_reason == "length"
+    np.testing.assert_array_equal(a.tokens, b.tokens)
+    np.testing.assert_array_equal(a.logprobs, b.logprobs)
+  # Static: inserts come in bursts between decode calls; each burst starts on an empty engine
+  # and holds at most max_concurrent_decodes samples.
+  bursts = {}
+  for call, occupied, g in runs["static"][1]:
+    bursts.setdefault(call, []).append((occupied, g))
+  for burst in bursts.values():
+    assert not burst[0][0]
+    assert sum(g for _, g in burst) <= eng.max_concurrent_decodes
+  assert runs["static"][2]["batches"] >= len(bursts) > 1
+  # Continuous refills a slot while others are still decoding; static never does.
+  assert any(occupied for _, occupied, _ in runs["continuous"][1])
+  assert runs["continuous"][2]["batches"] == 0
+  assert runs["static"][2]["decode_steps"] > runs["continuous"][2]["decode_steps"]
+  with pytest.raises(ValueError, match="batching must be one of"):
+    Driver(eng, batching="dynamic")

@@ -1,0 +1,264 @@
+"""Engine tests: greedy vs a no-cache reference, learner log-probs, slot/batch invariance, group
+prefix sharing, chunked prefill, page accounting and compile counts."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxrl.models import ModelConfig, Transformer
+from jaxrl.models.transformer import apply as _apply
+from jaxrl.models.transformer import token_logprobs as _token_logprobs
+from jaxrl.rollout.engine import Engine, request_key
+from jaxrl.rollout.kv_cache import OutOfPages
+from jaxrl.rollout.sampling import SamplingParams
+
+apply = jax.jit(_apply, static_argnums=0)
+token_logprobs = jax.jit(_token_logprobs, static_argnums=0)
+
+S = 40  # max prompt + completion
+GREEDY = SamplingParams(temperature=0.0)
+SAMPLED = SamplingParams(temperature=1.0, top_k=40, top_p=0.95, min_p=0.01)
+# Lengths straddle the page size (4) and the chunk size (8): 11 and 17 are chunked.
+PROMPTS = {10: [5, 9, 17], 11: list(range(40, 51)), 12: [100], 13: [200, 7, 33, 3, 90, 1, 2, 8]}
+PROMPTS[14] = [(7 * i) % 250 + 3 for i in range(17)]
+
+
+@functools.cache
+def _model():
+  """The tiny model (graphdef as make_model builds it) with numpy-drawn weights, larger than at
+  init so outputs are far from uniform (jax.random init compiles a kernel per leaf shape)."""
+  cfg = ModelConfig.tiny()
+  graphdef, abstract = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0))))
+  rng = np.random.default_rng(0)
+
+  def draw(path, leaf):
+    z = rng.normal(size=leaf.shape)
+    is_scale = "'scale'" in jax.tree_util.keystr(path)
+    return jnp.asarray(1.0 + 0.1 * z if is_scale else 0.15 * z, leaf.dtype)
+
+  return cfg, graphdef, jax.tree_util.tree_map_with_path(draw, abstract)
+
+
+@functools.cache
+def _engine(slots: int = 3, chunk: int = 8, num_pages: int = 40) -> Engine:
+  cfg, graphdef, _ = _model()
+  return Engine(
+    cfg,
+    graphdef,
+    max_concurrent_decodes=slots,
+    num_pages=num_pages,
+    page_size=4,
+    max_prefill_length=20,
+    prefill_chunk_size=chunk,
+    max_target_length=S,
+  )
+
+
+def _reference_greedy(prompt, n):
+  """Repeated full forward (no cache) + argmax; one [1, S] shape: columns past the sequence are
+  in the causal future of every row that is read."""
+  _, graphdef, params = _model()
+  seq = list(prompt)
+  for _ in range(n):
+    tokens = jnp.asarray([seq + [0] * (S - len(seq))], jnp.int32)
+    logits, _ = apply(graphdef, params, tokens, jnp.arange(S)[None], jnp.ones((1, S), bool))
+    seq.append(int(jnp.argmax(logits[0, len(seq) - 1])))
+  return seq[len(prompt) :]
+
+
+def _learner_logprobs(prompt, completion, temperature=1.0):
+  _, graphdef, params = _model()
+  seq = list(prompt) + list(completion)
+  tokens = np.zeros((1, S), np.int32)
+  tokens[0, : len(seq)] = seq
+  valid = np.arange(S)[None] < len(seq)
+  logp = token_logprobs(graphdef, params, tokens, valid, temperature=temperature)
+  return np.asarray(logp)[0, len(prompt) : len(seq)]
+
+
+def _run(eng, schedule, n_new, sampler, seed=0, steps=3):
+  """Drive the engine by hand. schedule: (request_id, slot) in insertion order; one insertion
+  per `steps` decode steps, so requests join while others are mid-sequence. Returns
+  {request_id: (tokens, logprobs)} and checks every page is back afterwards."""
+  _, _, params = _model()
+  st = eng.init_decode_state()
+  out, owner = {}, {}
+  todo = list(schedule)
+  while todo or owner:
+    if todo and todo[0][1] not in owner:  # else wait for the slot to free up
+      rid, slot = todo.pop(0)
+      prefix, first = eng.prefill_prompt(
+        params,
+        PROMPTS[rid],
+        sampler=sampler,
+        rng=request_key(seed, rid)[None],
+        max_new_tokens=n_new,
+      )
+      f = first.convert_to_numpy().get_result_at_slot(0)
+      out[rid] = ([int(f.tokens[0])], [float(f.log_prob[0])])
+      st = eng.insert(prefix, st, slot)
+      owner[slot] = rid
+    st, res = eng.generate_steps(params, st, steps)
+    res = res.convert_to_numpy()
+    for slot, rid in list(owner.items()):
+      d = res.get_result_at_slot(slot)
+      for i in np.flatnonzero(d.valid[:, 0]):
+        out[rid][0].append(int(d.tokens[i, 0]))
+        out[rid][1].append(float(d.log_prob[i, 0]))
+        assert d.lengths[i] == len(out[rid][0])
+      if res.done[:, slot].any():
+        eng.free_resource(slot)
+        del owner[slot]
+  assert eng.allocator.num_free == eng.num_pages and not eng.slot_pages
+  return {rid: (np.array(t), np.array(lp, np.float32)) for rid, (t, lp) in out.items()}
+
+
+@pytest.mark.parametrize(
+  "schedule",
+  [
+    [(10, 0), (11, 1), (12, 2), (13, 0), (14, 1)],
+    [(14, 2), (13, 1), (12, 0), (11, 2), (10, 1)],
+  ],
+)
+def test_greedy_matches_no_cache_reference_and_learner_logprobs(schedule):
+  n_new = 9
+  got = _run(_engine(), schedule, n_new, GREEDY)
+  for rid, (tokens, logp) in got.items():
+    assert len(tokens) == n_new
+    np.testing.assert_array_equal(tokens, _reference_greedy(PROMPTS[rid], n_new), err_msg=rid)
+    learner = _learner_logprobs(PROMPTS[rid], tokens)
+    np.testing.assert_allclose(logp, learner, atol=1e-5, rtol=0, err_msg=str(rid))
+  assert _engine().generate_compiles == 1
+
+
+def test_sampling_independent_of_slot_batch_and_slot_count():
+  n_new = 8
+  a = _run(_engine(), [(10, 0), (11, 1), (12, 2), (13, 0), (14, 1)], n_new, SAMPLED, seed=3)
+  # Other slots, another order, other neighbours, and an engine with 2 slots and no chunking.
+  b = _run(_engine(), [(13, 2), (10, 1)], n_new, SAMPLED, seed=3, steps=2)
+  c = _run(_engine(2, 32), [(14, 1), (11, 0), (10, 0)], n_new, SAMPLED, seed=3)
+  for rid in (10, 13):
+    np.testing.assert_array_equal(a[rid][0], b[rid][0])
+  for rid in (10, 11, 14):
+    np.testing.assert_array_equal(a[rid][0], c[rid][0])
+  for rid, (tokens, logp) in a.items():
+    learner = _learner_logprobs(PROMPTS[rid], tokens, SAMPLED.temperature)
+    np.testing.assert_allclose(logp, learner, atol=1e-5, rtol=0)
+  # The seed is really used: another seed draws other tokens.
+  d = _run(_engine(), [(10, 0), (11, 1)], n_new, SAMPLED, seed=4)
+  assert any(np.any(a[r][0] != d[r][0]) for r in (10, 11))
+
+
+def test_chunked_prefill_equals_unchunked():
+  _, _, params = _model()
+  chunked, whole = _engine(), _engine(2, 32)
+  for rid in (11, 14):
+    pa, ra = chunked.prefill_prompt(params, PROMPTS[rid], sampler=GREEDY, max_new_tokens=4)
+    pb, rb = whole.prefill_prompt(params, PROMPTS[rid], sampler=GREEDY, max_new_tokens=4)
+    n = len(PROMPTS[rid])
+    assert pa.length == pb.length == n
+    for (ka, va), (kb, vb) in zip(pa.cache, pb.cache, strict=True):
+      np.testing.assert_allclose(np.asarray(ka)[:, :n], np.asarray(kb)[:, :n], atol=1e-5)
+      np.testing.assert_allclose(np.asarray(va)[:, :n], np.asarray(vb)[:, :n], atol=1e-5)
+    ra, rb = ra.convert_to_numpy(), rb.convert_to_numpy()
+    assert ra.get_result_at_slot(0).tokens == rb.get_result_at_slot(0).tokens
+  # A 17-token prompt takes 3 chunk calls of one shape; decoding after it was checked above.
+  before = chunked.stats["prefill_calls"]
+  chunked.prefill_prompt(params, PROMPTS[14], sampler=GREEDY, max_new_tokens=4)
+  assert chunked.stats["prefill_calls"] - before == 3
+  assert chunked.use_chunked_prefill and not whole.use_chunked_prefill
+
+
+def test_group_prefill_once_and_pages_shared_by_refcount():
+  _, _, params = _model()
+  eng = _engine(5)
+  st = eng.init_decode_state()
+  prompt, g, n_new = PROMPTS[14], 4, 6  # 17 tokens: 4 full pages + 1 token on a fifth
+  keys = np.stack([request_key(7, 100 + j) for j in range(g)])
+  before = eng.stats.copy()
+  prefix, first = eng.prefill_prompt(
+    params, prompt, sampler=SAMPLED, rng=keys, num_samples=g, max_new_tokens=n_new
+  )
+  st = eng.bulk_insert(prefix, st, [4, 0, 2, 1])
+  assert eng.stats["prefill_calls"] - before["prefill_calls"] == 3  # 3 chunks, once per group
+  pages = [eng.slot_pages[s] for s in (4, 0, 2, 1)]
+  shared = pages[0][:4]
+  assert all(p[:4] == shared for p in pages)
+  assert [eng.allocator.refcount(p) for p in shared] == [g] * 4
+  own = [q for p in pages for q in p[4:]]
+  assert len(set(own)) == len(own) and all(eng.allocator.refcount(q) == 1 for q in own)
+  # Pages: 4 shared + per sample ceil((17 + 6 - 1) / 4) - 4 = 2 own.
+  used = eng.num_pages - eng.allocator.num_free
+  assert used == eng.pages_needed(len(prompt), n_new, g) == 4 + g * 2
+  st, res = eng.generate_steps(params, st, n_new - 1)
+  res, first = res.convert_to_numpy(), first.convert_to_numpy()
+  group = {}
+  for j, slot in enumerate((4, 0, 2, 1)):
+    d = res.get_result_at_slot(slot)
+    group[j] = np.concatenate([first.get_result_at_slot(j).tokens, d.tokens[d.valid[:, 0], 0]])
+    eng.free_resource(slot)
+  assert eng.allocator.num_free == eng.num_pages
+  # Each sample equals the same request run alone (its own prefill, its own pages).
+  for j in range(g):
+    eng.init_decode_state()
+    alone = _run_alone(eng, prompt, keys[j], n_new)
+    np.testing.assert_array_equal(group[j], alone)
+  assert len({tuple(t) for t in group.values()}) > 1  # different keys, different samples
+
+
+def _run_alone(eng, prompt, key, n_new):
+  _, _, params = _model()
+  st = eng.init_decode_state()
+  prefix, first = eng.prefill_prompt(
+    params, prompt, sampler=SAMPLED, rng=key[None], max_new_tokens=n_new
+  )
+  st = eng.insert(prefix, st, 3)
+  st, res = eng.generate_steps(params, st, n_new - 1)
+  d = res.convert_to_numpy().get_result_at_slot(3)
+  eng.free_resource(3)
+  return np.concatenate([first.convert_to_numpy().get_result_at_slot(0).tokens, d.tokens[:, 0]])
+
+
+def test_out_of_pages_and_bad_requests():
+  _, _, params = _model()
+  eng = _engine(3, 8, 6)  # 6 pages of 4 tokens
+  st = eng.init_decode_state()
+  prefix, _ = eng.prefill_prompt(params, PROMPTS[13], sampler=GREEDY, max_new_tokens=20)
+  with pytest.raises(OutOfPages, match="need 7 KV pages, 6 are free"):
+    eng.insert(prefix, st, 0)
+  assert eng.allocator.num_free == 6 and not eng.slot_pages  # nothing half-allocated
+  with pytest.raises(
+    ValueError, match="21 tokens, longer than the engine's max_prefill_length of 20"
+  ):
+    eng.prefill_prompt(params, list(range(3, 24)), sampler=GREEDY)
+  with pytest.raises(ValueError, match="max_target_length of 40"):
+    eng.prefill_prompt(params, PROMPTS[13], sampler=GREEDY, max_new_tokens=33)
+  with pytest.raises(ValueError, match="prefill_chunk_size"):
+    cfg, graphdef, _ = _model()
+    Engine(
+      cfg,
+      graphdef,
+      max_concurrent_decodes=2,
+      num_pages=4,
+      max_prefill_length=8,
+      prefill_chunk_size=12,
+    )
+  with pytest.raises(ValueError, match="slot 5"):
+    eng.insert(prefix, st, 5)
+
+
+def test_engine_api_surface():
+  eng = _engine()
+  assert eng.max_concurrent_decodes == 3 and eng.samples_per_slot == 1
+  assert eng.max_prefill_length == 20 and eng.prefill_chunk_size == 8
+  assert eng.mesh is None and eng.colocated_cpus is None and eng.get_tokenizer() is None
+  _, _, params = _model()
+  assert eng.load_params(params) is params  # the learner's arrays, no copy
+  # One step through `generate` (not the multi-step variant) on an idle state: nothing valid.
+  st, res = eng.generate(params, eng.init_decode_state())
+  d = res.convert_to_numpy().get_result_at_slot(1)
+  assert d.tokens.shape == (1,) and not d.valid.any()
