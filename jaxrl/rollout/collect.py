@@ -1,0 +1,123 @@
+"""Group rollouts for RL through the engine: prompts x G samples -> one fixed-shape `Rollout`.
+
+The RL loop asks for `G` samples of each prompt; the driver prefills each prompt once and
+decodes its samples side by side in the engine's slots (continuous batching), and the finished
+sequences come back here in request order, padded into the same `Rollout` arrays the v0 sampler
+returns (prompts left-padded to P, completions right-padded to N), so `batch.from_rollout` and
+everything after it is unchanged.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from jaxrl.models.config import ModelConfig
+from jaxrl.rollout.driver import Completion, Driver, Request
+from jaxrl.rollout.engine import Engine
+from jaxrl.rollout.kv_cache import pages_for
+from jaxrl.rollout.sampler import Rollout, left_pad
+from jaxrl.rollout.sampling import SamplingParams
+
+
+def to_rollout(
+  completions: Sequence[Completion], *, prompt_len: int, max_new_tokens: int, pad_id: int
+) -> Rollout:
+  """Pack completions (in the order given) into numpy `Rollout` arrays."""
+  prompt_tokens, prompt_mask = left_pad(
+    [list(c.prompt_tokens) for c in completions], prompt_len, pad_id
+  )
+  b, n = len(completions), max_new_tokens
+  tokens = np.full((b, n), pad_id, np.int32)
+  mask = np.zeros((b, n), bool)
+  logprobs = np.zeros((b, n), np.float32)
+  for i, c in enumerate(completions):
+    k = len(c.tokens)
+    if k > n:
+      raise ValueError(f"completion {c.request_id} has {k} tokens > max_new_tokens={n}")
+    tokens[i, :k], mask[i, :k], logprobs[i, :k] = c.tokens, True, c.logprobs
+  lengths = mask.sum(axis=1).astype(np.int32)
+  # Truncated = stopped by the length budget (or aborted), not by a stop token or string.
+  truncated = np.array([c.finish_reason in ("length", "abort") for c in completions], bool)
+  return Rollout(prompt_tokens, prompt_mask, tokens, mask, logprobs, lengths, truncated)
+
+
+class GroupSampler:
+  """`sample(params, prompts, group_size, seed, version) -> (Rollout, stats)` over one Engine.
+
+  Sized for one RL step: `max_concurrent_decodes` slots (default: every sample of the step at
+  once) and a page budget that holds them all; with fewer slots or pages the driver queues
+  groups and refills slots as sequences finish. Request ids are `prompt index * G + sample`, and
+  the driver seeds each request from (seed, request id): the samples do not depend on slot
+  placement, on `max_concurrent_decodes` or on the page budget.
+  """
+
+  def __init__(
+    self,
+    cfg: ModelConfig,
+    graphdef,
+    *,
+    prompt_len: int,
+    max_new_tokens: int,
+    eos_ids: Sequence[int],
+    pad_id: int,
+    sampling: SamplingParams,
+    max_concurrent_decodes: int,
+    num_pages: int | None = None,
+    page_size: int = 16,
+    steps_per_call: int = 8,
+    tokenizer=None,
+    mesh=None,
+  ):
+    self.prompt_len, self.max_new_tokens, self.pad_id = prompt_len, max_new_tokens, pad_id
+    self.sampling = sampling
+    eos_ids = tuple(int(e) for e in eos_ids)
+    self.stop_ids = eos_ids[1:]  # the driver always stops on its eos_id
+    if num_pages is None:
+      num_pages = max_concurrent_decodes * pages_for(prompt_len + max_new_tokens, page_size)
+    self.engine = Engine(
+      cfg,
+      graphdef,
+      max_concurrent_decodes=max_concurrent_decodes,
+      num_pages=num_pages,
+      page_size=page_size,
+      max_prefill_length=prompt_len,
+      max_target_length=prompt_len + max_new_tokens,
+      tokenizer=tokenizer,
+      mesh=mesh,
+    )
+    self.driver = Driver(self.engine, steps_per_call=steps_per_call, eos_id=eos_ids[0])
+
+  def __call__(
+    self,
+    params,
+    prompts: Sequence[Sequence[int]],
+    *,
+    group_size: int,
+    seed: int,
+    version: int = 0,
+    sampling: SamplingParams | None = None,
+  ) -> tuple[Rollout, dict]:
+    """Sample `group_size` completions of every prompt; rows are prompt-major, as the v0
+    sampler's `[r for r in records for _ in range(G)]` layout."""
+    sampling = sampling or self.sampling
+    requests = [
+      Request(
+        prompt=list(p),
+        request_id=i * group_size + j,
+        group_id=i,
+        sampling=sampling,
+        max_new_tokens=self.max_new_tokens,
+        stop_token_ids=self.stop_ids,
+      )
+      for i, p in enumerate(prompts)
+      for j in range(group_size)
+    ]
+    result = self.driver.run(params, requests, policy_version=version, seed=seed)
+    by_id = {c.request_id: c for c in result.finished}
+    ordered = [by_id[r.request_id] for r in requests]
+    rollout = to_rollout(
+      ordered, prompt_len=self.prompt_len, max_new_tokens=self.max_new_tokens, pad_id=self.pad_id
+    )
+    return rollout, dict(result.stats)
