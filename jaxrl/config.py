@@ -71,6 +71,23 @@ class SFTConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class OverlongConfig:
+  """DAPO overlong reward shaping (jaxrl.rl.shaping)."""
+
+  buffer: int = _field(0, lo=0, help="soft-punishment buffer L_cache in tokens; 0 = off")
+  penalty: float = _field(1.0, lo=0.0, help="the penalty at max_new_tokens")
+  mask_truncated: bool = _field(False, help="drop completions without EOS from the loss")
+
+
+@dataclasses.dataclass(frozen=True)
+class DynamicSamplingConfig:
+  """DAPO dynamic sampling (jaxrl.rl.allocation): only groups whose rewards differ are trained."""
+
+  enabled: bool = _field(False)
+  max_rounds: int = _field(4, lo=1, help="rollout rounds per step at most, the first included")
+
+
+@dataclasses.dataclass(frozen=True)
 class RLConfig:
   steps: int = _field(100, lo=1)
   prompts_per_step: int = _field(16, lo=1)
@@ -98,6 +115,21 @@ class RLConfig:
   num_microbatches: int = _field(1, lo=1, help="gradient accumulation within one update")
   num_minibatches: int = _field(1, lo=1, help="optimizer updates per rollout batch and epoch")
   ppo_epochs: int = _field(1, lo=1, help="passes over each rollout batch")
+  entropy_coef: float = _field(0.0, lo=0.0, help="entropy bonus on completion tokens")
+  offpolicy: str = _field("none", help="a name in jaxrl.rl.offpolicy.OFFPOLICY")
+  is_correction: str = _field("none", help="a name in jaxrl.rl.offpolicy.IS_CORRECTIONS")
+  prox: str = _field(
+    "recompute",
+    choices=("recompute", "interpolate"),
+    help="offpolicy='decoupled': pi_prox from a learner forward, or interpolated by version lag",
+  )
+  is_cap: float = _field(2.0, lo=1.0, help="TIS truncation C (>= 1: on-policy tokens unchanged)")
+  mis_low: float = _field(0.5, lo=0.0, hi=1.0, lo_open=True, help="MIS band lower end")
+  mis_high: float = _field(2.0, lo=1.0, help="MIS band upper end")
+  m2po_tau: float = _field(0.04, lo=0.0, lo_open=True, help="M2PO second-moment threshold")
+  sat_tail: float = _field(2.0, lo=0.0, lo_open=True, help="SAT tail threshold, batch RMS units")
+  overlong: OverlongConfig = dataclasses.field(default_factory=OverlongConfig)
+  dynamic_sampling: DynamicSamplingConfig = dataclasses.field(default_factory=DynamicSamplingConfig)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -215,7 +247,28 @@ def validate(cfg) -> Config:
     c.rl.loss_aggregation,
     list(AGGREGATIONS),
   )
+  from jaxrl.rl.offpolicy import IS_CORRECTIONS, OFFPOLICY
+
+  check(c.rl.offpolicy in OFFPOLICY.names(), "rl.offpolicy", c.rl.offpolicy, OFFPOLICY.names())
+  check(
+    c.rl.is_correction in IS_CORRECTIONS.names(),
+    "rl.is_correction",
+    c.rl.is_correction,
+    IS_CORRECTIONS.names(),
+  )
   # Cross-field checks.
+  check(
+    c.rl.mis_low < c.rl.mis_high,
+    "rl.mis_high",
+    c.rl.mis_high,
+    f"> rl.mis_low = {c.rl.mis_low}",
+  )
+  check(
+    c.rl.overlong.buffer <= c.rl.max_new_tokens,
+    "rl.overlong.buffer",
+    c.rl.overlong.buffer,
+    f"0 (off) to rl.max_new_tokens = {c.rl.max_new_tokens}",
+  )
   check(
     set(c.task.ops) <= set("+-*") and c.task.ops != "", "task.ops", c.task.ops, "chars of '+-*'"
   )

@@ -43,6 +43,45 @@ def test_defaults_and_the_shipped_config_validate():
       r"config\.rl\.num_minibatches=3 is invalid; allowed: a divisor",
     ),
     ({"rl": 5}, r"config\.rl must be a section"),
+    (
+      {"rl": {"offpolicy": "ppo_ewma"}},
+      r"config\.rl\.offpolicy='ppo_ewma' is invalid; allowed: \['decoupled', 'm2po', 'none', 's",
+    ),
+    (
+      {"rl": {"is_correction": "icepop"}},
+      r"config\.rl\.is_correction='icepop' is invalid; allowed: \[.*'mis'.*'tis'",
+    ),
+    ({"rl": {"prox": "ewma"}}, r"config\.rl\.prox='ewma' is invalid; allowed: \['recompute'"),
+    ({"rl": {"is_cap": 0.9}}, r"config\.rl\.is_cap=0\.9 is out of range; must be >= 1"),
+    ({"rl": {"mis_low": 0.0}}, r"config\.rl\.mis_low=0\.0 is out of range; must be > 0"),
+    ({"rl": {"mis_low": 1.5}}, r"config\.rl\.mis_low=1\.5 is out of range; must be <= 1"),
+    ({"rl": {"mis_high": 0.8}}, r"config\.rl\.mis_high=0\.8 is out of range; must be >= 1"),
+    (
+      {"rl": {"mis_low": 1.0, "mis_high": 1.0}},
+      r"config\.rl\.mis_high=1\.0 is invalid; allowed: > rl\.mis_low = 1\.0",
+    ),
+    ({"rl": {"m2po_tau": 0.0}}, r"config\.rl\.m2po_tau=0\.0 is out of range; must be > 0"),
+    ({"rl": {"sat_tail": -1.0}}, r"config\.rl\.sat_tail=-1\.0 is out of range; must be > 0"),
+    (
+      {"rl": {"entropy_coef": -0.01}},
+      r"config\.rl\.entropy_coef=-0\.01 is out of range; must be >= 0",
+    ),
+    (
+      {"rl": {"overlong": {"buffer": 9}}},
+      r"config\.rl\.overlong\.buffer=9 is invalid; allowed: 0 \(off\) to rl\.max_new_tokens = 8",
+    ),
+    (
+      {"rl": {"overlong": {"penalty": -1}}},
+      r"config\.rl\.overlong\.penalty=-1\.0 is out of range; must be >= 0",
+    ),
+    (
+      {"rl": {"dynamic_sampling": {"max_rounds": 0}}},
+      r"config\.rl\.dynamic_sampling\.max_rounds=0 is out of range; must be >= 1",
+    ),
+    (
+      {"rl": {"dynamic_sampling": {"rounds": 2}}},
+      r"unknown field\(s\) config\.rl\.dynamic_sampling\.rounds",
+    ),
   ],
 )
 def test_bad_values_name_the_field(raw, message):

@@ -20,6 +20,16 @@ class TrainBatch(NamedTuple):
   old_logprobs: jax.Array  # float32 behaviour log-probs (the sampler's)
   ref_logprobs: jax.Array  # float32 reference-policy log-probs (zeros when beta = 0)
   versions: jax.Array  # int32 policy version that produced each completion token (-1 elsewhere)
+  # Optional (None: absent; a None field is an empty pytree node, so splitting still works):
+  prox_logprobs: jax.Array | None = None  # float32 learner log-probs at the start of the update
+  learner_version: jax.Array | None = None  # int32 [B]: the version the learner holds (for lag)
+
+  def lag(self) -> jax.Array:
+    """[B, T] float32 versions each loss token is behind the learner (0 without learner_version)."""
+    if self.learner_version is None:
+      return jnp.zeros(self.loss_mask.shape, jnp.float32)
+    lag = jnp.asarray(self.learner_version)[:, None] - jnp.asarray(self.versions)
+    return jnp.where(jnp.asarray(self.loss_mask) > 0, jnp.maximum(lag, 0), 0).astype(jnp.float32)
 
   @property
   def size(self) -> int:

@@ -26,8 +26,11 @@ from jaxrl.metrics import MetricsWriter, Progress, plot_curves
 from jaxrl.models.config import from_preset
 from jaxrl.models.transformer import make_model, token_logprobs
 from jaxrl.rl import batch as batch_lib
+from jaxrl.rl import offpolicy as offpolicy_lib
 from jaxrl.rl.advantages import ESTIMATORS
+from jaxrl.rl.allocation import fill_groups, informative_groups
 from jaxrl.rl.objectives import GRPOLoss, SFTLoss
+from jaxrl.rl.shaping import overlong_penalty, truncation_keep
 from jaxrl.rl.train_step import init_state, make_optimizer, make_train_step
 from jaxrl.rollout.sampler import left_pad, make_sampler, row_keys
 from jaxrl.rollout.sampling import SamplingParams
@@ -109,6 +112,14 @@ class Trainer:
       aggregation=rl.loss_aggregation,
       clip_c=rl.dual_clip_c,
       max_tokens=rl.max_new_tokens,
+      entropy_coef=rl.entropy_coef,
+      offpolicy=rl.offpolicy,
+      is_correction=rl.is_correction,
+      is_cap=rl.is_cap,
+      mis_low=rl.mis_low,
+      mis_high=rl.mis_high,
+      m2po_tau=rl.m2po_tau,
+      sat_tail=rl.sat_tail,
     )
     self.sft_step = make_train_step(
       self.sft_opt, SFTLoss(self.graphdef), num_microbatches=cfg.sft.num_microbatches
@@ -248,14 +259,16 @@ class Trainer:
       f"{self.summary['accuracy_after_sft']:.3f} after {cfg.steps} SFT steps"
     )
 
-  def rl_batch(self, step: int, records):
-    """Roll out one GRPO batch with the learner's params and turn it into a TrainBatch."""
-    rl = self.cfg.rl
-    g = rl.group_size
+  def _rollout_round(self, step: int, rnd: int, records):
+    """Sample group_size completions per prompt with the learner's params and score them."""
+    g = self.cfg.rl.group_size
     group_records = [r for r in records for _ in range(g)]
     toks, mask = self._prompts(group_records)
     b = len(group_records)
-    keys = row_keys(jax.random.fold_in(self.base_key, step), np.arange(b))
+    key = jax.random.fold_in(self.base_key, step)
+    if rnd:  # round 0 keeps the keys of a run without dynamic sampling
+      key = jax.random.fold_in(key, rnd)
+    keys = row_keys(key, np.arange(b))
     # The learner's own param pytree goes in: no copy, no sync.
     rollout = self.sample_fn(self.state.params, toks, mask, keys)
     host = jax.device_get(rollout)
@@ -263,7 +276,58 @@ class Trainer:
     r, n_err = rewards.compute_rewards(
       self.reward_fn, texts, group_records, on_error=self.cfg.reward.on_error
     )
-    grouped = r.reshape(-1, g)
+    return rollout, host, r, n_err
+
+  def rl_batch(self, step: int, records, next_records=None):
+    """Roll out one GRPO batch with the learner's params and turn it into a TrainBatch.
+
+    With rl.dynamic_sampling (DAPO) groups whose task rewards all tie are dropped and rounds of
+    fresh prompts (next_records() gives the next prompt batch) are sampled until
+    prompts_per_step informative groups exist, for at most max_rounds rounds in all. If the cap
+    is hit the batch is filled with the earliest dropped groups at zero loss weight
+    (allocation.fill_groups): shapes stay fixed and only informative groups carry loss.
+    The filter reads the task reward, before overlong shaping (whose length term would make
+    nearly every group look informative).
+    """
+    rl = self.cfg.rl
+    g, ds = rl.group_size, rl.dynamic_sampling
+    rollout, host, r, n_err = self._rollout_round(step, 0, records)
+    row_weight = np.ones(r.shape, np.float32)
+    stats = {}
+    if ds.enabled:
+      rounds = [(rollout, host, r)]
+      informative = informative_groups(r.reshape(-1, g))
+      while informative.sum() < rl.prompts_per_step and len(rounds) < ds.max_rounds:
+        if next_records is None:
+          raise ValueError("rl.dynamic_sampling needs next_records to draw more prompts")
+        ro, h, rr, e = self._rollout_round(step, len(rounds), next_records())
+        rounds.append((ro, h, rr))
+        n_err += e
+        informative = np.concatenate([informative, informative_groups(rr.reshape(-1, g))])
+      idx, filler = fill_groups(informative, rl.prompts_per_step)
+      rows = (idx[:, None] * g + np.arange(g)).reshape(-1)
+      rollout = jax.tree.map(lambda *xs: jnp.concatenate(xs)[rows], *(x[0] for x in rounds))
+      host = jax.tree.map(lambda *xs: np.concatenate(xs)[rows], *(x[1] for x in rounds))
+      r = np.concatenate([x[2] for x in rounds])[rows]
+      row_weight *= np.repeat(~filler, g).astype(np.float32)
+      stats = {
+        "rl/sampling_rounds": float(len(rounds)),
+        "rl/dropped_groups": float(informative.size - informative.sum()),
+        "rl/filler_groups": float(filler.sum()),
+      }
+    shaped = r
+    if rl.overlong.buffer > 0:
+      penalty = overlong_penalty(
+        host.lengths,
+        max_len=rl.max_new_tokens,
+        buffer=rl.overlong.buffer,
+        penalty=rl.overlong.penalty,
+      )
+      shaped = r + penalty
+      stats["rl/overlong_penalty"] = float(penalty.mean())
+    if rl.overlong.mask_truncated:
+      row_weight *= truncation_keep(host.truncated)
+    grouped = shaped.reshape(-1, g)
     adv = np.asarray(self.advantage_fn(grouped, scale_by_std=rl.scale_by_std)).reshape(-1)
     ref = None
     if rl.beta > 0:
@@ -271,6 +335,9 @@ class Trainer:
       valid = jnp.concatenate([rollout.prompt_mask, rollout.mask], axis=1)
       ref = self.ref_logprobs_fn(self.ref_params, full, valid)
     batch = batch_lib.from_rollout(rollout, adv, version=step, ref_logprobs=ref)
+    if ds.enabled or rl.overlong.mask_truncated:
+      w = jnp.asarray(row_weight)[:, None]
+      batch = batch._replace(loss_mask=batch.loss_mask * w, advantages=batch.advantages * w)
     stats = {
       "rl/reward_mean": float(r.mean()),
       "rl/reward_std": float(r.std()),
@@ -280,6 +347,7 @@ class Trainer:
       "rl/zero_adv_groups": float(np.mean(np.all(grouped == grouped[:, :1], axis=1))),
       "rl/response_length": float(host.lengths.mean()),
       "rl/truncated_frac": float(host.truncated.mean()),
+      **stats,
     }
     return batch, stats
 
@@ -305,7 +373,7 @@ class Trainer:
     offset = self.cfg.sft.steps
     for step in range(start, stop):
       t0 = time.perf_counter()
-      batch, stats = self.rl_batch(step, next(it))
+      batch, stats = self.rl_batch(step, next(it), next_records=lambda: next(it))
       t1 = time.perf_counter()
       m = self._update(step, batch)
       done = step + 1
@@ -332,6 +400,7 @@ class Trainer:
     rl = self.cfg.rl
     n = batch.size
     size = n // rl.num_minibatches
+    batch, ratio_metrics = self._with_prox(step, batch)
     history = []
     for epoch in range(rl.ppo_epochs):
       if rl.num_minibatches == 1:
@@ -347,7 +416,31 @@ class Trainer:
     out = {k: float(np.mean([h[k] for h in history])) for k in history[0]}
     out["rl/logprob_gap"] = float(history[0]["rl/logprob_gap"])
     out["rl/updates"] = float(len(history))
+    out.update({k: float(v) for k, v in jax.device_get(ratio_metrics).items()})
     return out
+
+  def _with_prox(self, step: int, batch):
+    """Fill what the off-policy corrections read, and measure the IS ratio's max and p99.
+
+    With any correction configured, one learner forward before any minibatch moves the policy
+    gives pi_prox: stored as prox_logprobs for decoupled with prox='recompute' and for every IS
+    correction (whose weight then measures only the sampler-learner gap), and used for the
+    full-batch ratio_stats. Decoupled with prox='interpolate' gets the learner's version, for
+    the lag. Without corrections nothing is added: no extra forward.
+    """
+    rl = self.cfg.rl
+    decoupled = rl.offpolicy == "decoupled"
+    if rl.offpolicy == "none" and rl.is_correction == "none":
+      return batch, {}
+    toks, valid = self._shard_batch((batch.tokens, batch.valid))
+    prox = self.ref_logprobs_fn(self.state.params, toks, valid)
+    prox = jnp.where(batch.loss_mask > 0, prox, 0.0)
+    stats = offpolicy_lib.ratio_stats(prox, batch.old_logprobs, batch.loss_mask)
+    if (decoupled and rl.prox == "recompute") or rl.is_correction != "none":
+      return batch._replace(prox_logprobs=prox), stats
+    if decoupled:
+      batch = batch._replace(learner_version=jnp.full((batch.size,), step, jnp.int32))
+    return batch, stats
 
   def _save_rl(self, step: int, it, *, force: bool) -> None:
     state = {"train": self.state, "rng": jax.random.key_data(self.base_key)}

@@ -88,16 +88,25 @@ def gspo(
 
 @POLICY_LOSSES.register("cispo")
 def cispo(
-  logp, old_logp, advantages, *, eps_low: float = 0.2, eps_high: float = 0.2, mask=None, **_
+  logp,
+  old_logp,
+  advantages,
+  *,
+  eps_low: float = 0.2,
+  eps_high: float = 0.2,
+  mask=None,
+  detached_logp=None,
+  **_,
 ):
   """CISPO (MiniMax-M1, MiniMax 2025, arXiv 2506.13585): REINFORCE with a clipped,
   stop-gradient importance weight, loss = -sg(clip(ratio, 1 - eps_low, 1 + eps_high)) * A * logp.
   Unlike PPO no token's gradient is dropped, only its weight is bounded (MiniMax sets a large
   eps_low, i.e. effectively no lower bound). The loss value is not a surrogate of the return;
-  only its gradient is meaningful. clipped marks tokens whose weight was clipped.
+  only its gradient is meaningful. clipped marks tokens whose weight was clipped. detached_logp
+  (default logp) is what the weight reads: a finite-difference check freezes it at fixed params.
   """
   del mask
-  ratio = jnp.exp(logp - old_logp)
+  ratio = jnp.exp((logp if detached_logp is None else detached_logp) - old_logp)
   weight = jax.lax.stop_gradient(jnp.clip(ratio, 1.0 - eps_low, 1.0 + eps_high))
   return -weight * advantages * logp, weight != ratio
 

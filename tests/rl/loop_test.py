@@ -204,3 +204,116 @@ def test_grpo_raises_a_learnable_reward(tmp_path):
   lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
   reward = [r["rl/reward_mean"] for r in lines if r["phase"] == "rl"]
   assert np.mean(reward[-2:]) > np.mean(reward[:2]) + 0.2, reward
+
+
+def _rl_trainer(tmp_path, reward_name, **rl):
+  from jaxrl.rl.train_step import init_state
+
+  cfg = _config(tmp_path, prompts_per_step=4, group_size=4, **rl)
+  cfg = dataclasses.replace(cfg, reward=RewardConfig(reward_name, "raise"))
+  trainer = Trainer(cfg, log=lambda *_: None)
+  trainer.state = init_state(trainer.init_params, trainer.rl_opt)
+  it = iter(trainer.task.train_dataset(seed=0, batch_size=4))
+  rounds = []
+  inner = trainer._rollout_round
+
+  def spy(step, rnd, records):
+    out = inner(step, rnd, records)
+    rounds.append(np.asarray(out[2]).reshape(-1, 4))
+    return out
+
+  trainer._rollout_round = spy
+  return trainer, it, rounds
+
+
+def test_dynamic_sampling_never_trains_on_an_all_equal_group(tmp_path):
+  from jaxrl import rewards
+
+  @rewards.register("half_the_prompts_tie_for_test")
+  def half_tie(completion, record):
+    a = int(record["prompt"].split("+")[0].split("-")[0])
+    return 0.5 if a % 2 else float(completion.startswith("1"))
+
+  ds = {"enabled": True, "max_rounds": 5}
+  trainer, it, rounds = _rl_trainer(tmp_path, "half_the_prompts_tie_for_test", dynamic_sampling=ds)
+  for step in range(3):
+    rounds.clear()
+    batch, stats = trainer.rl_batch(step, next(it), next_records=lambda: next(it))
+    sampled = np.concatenate(rounds)
+    tied = np.all(sampled == sampled[:, :1], axis=1)
+    assert stats["rl/sampling_rounds"] == len(rounds) <= 5
+    assert stats["rl/dropped_groups"] == tied.sum()
+    assert stats["rl/filler_groups"] == max(0, 4 - int((~tied).sum()))
+    weight = np.asarray(batch.loss_mask).reshape(4, 4, -1).max(axis=(1, 2))  # per group
+    adv = np.abs(np.asarray(batch.advantages)).reshape(4, 4, -1).max(axis=(1, 2))
+    # Every group that carries loss has unequal rewards (non-zero group-relative advantages).
+    assert np.all((weight == 0) | (adv > 0)), (weight, adv)
+    assert (weight > 0).sum() == min(4, int((~tied).sum()))
+    if (~tied).sum() < 4:
+      assert len(rounds) == 5  # more rounds were drawn until the cap
+  trainer.close()
+
+
+def test_dynamic_sampling_at_the_cap_fills_with_zero_weight_groups(tmp_path):
+  from jaxrl import rewards
+
+  @rewards.register("constant_for_test")
+  def constant(completion, record):
+    return 1.0
+
+  ds = {"enabled": True, "max_rounds": 3}
+  trainer, it, rounds = _rl_trainer(tmp_path, "constant_for_test", dynamic_sampling=ds)
+  batch, stats = trainer.rl_batch(0, next(it), next_records=lambda: next(it))
+  assert len(rounds) == 3 and stats["rl/sampling_rounds"] == 3
+  assert stats["rl/dropped_groups"] == 12 and stats["rl/filler_groups"] == 4
+  assert float(np.sum(batch.loss_mask)) == 0.0 and batch.size == 16  # shape kept
+  trainer.close()
+
+
+def test_overlong_shaping_and_truncation_masking(tmp_path):
+  from jaxrl import rewards
+
+  @rewards.register("zero_for_test")
+  def zero(completion, record):
+    return 0.0
+
+  overlong = {"buffer": 3, "penalty": 1.0, "mask_truncated": True}
+  trainer, it, _ = _rl_trainer(tmp_path, "zero_for_test", overlong=overlong, scale_by_std=False)
+  batch, stats = trainer.rl_batch(0, next(it))
+  n_new = trainer.cfg.rl.max_new_tokens
+  comp = np.asarray(batch.loss_mask)[:, -n_new:]
+  lengths = (np.asarray(batch.valid)[:, -n_new:]).sum(1)
+  shaped = np.clip((n_new - 3 - lengths) / 3, -1, 0)  # DAPO eq. 13 with L_cache = 3
+  np.testing.assert_allclose(stats["rl/overlong_penalty"], shaped.mean(), rtol=1e-6)
+  truncated = lengths == n_new  # a tiny random model rarely emits EOS: most rows are cut
+  assert truncated.any()
+  assert np.all(comp[truncated] == 0) and np.all(comp[~truncated].sum(1) == lengths[~truncated])
+  trainer.close()
+
+
+def test_run_with_offpolicy_corrections_and_dapo_options(tmp_path):
+  """decoupled (recomputed pi_prox) + TIS + entropy bonus + dynamic sampling run end to end and
+  report the off-policy and sampling metrics every step."""
+  cfg = _config(
+    tmp_path,
+    steps=2,
+    offpolicy="decoupled",
+    is_correction="tis",
+    entropy_coef=0.01,
+    num_minibatches=2,
+    dynamic_sampling={"enabled": True, "max_rounds": 2},
+    overlong={"buffer": 2},
+  )
+  trainer = Trainer(cfg, log=lambda *_: None)
+  trainer.run()
+  trainer.close()
+  lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+  rl = [r for r in lines if r["phase"] == "rl"]
+  assert len(rl) == 2
+  for key in ("offpolicy/kl_k3", "offpolicy/ratio_max", "offpolicy/ratio_p99",
+              "offpolicy/clipped_frac", "offpolicy/masked_frac", "rl/sampling_rounds",
+              "rl/dropped_groups", "rl/entropy"):  # fmt: skip
+    assert all(np.isfinite(r[key]) for r in rl), key
+  # pi_prox is recomputed before the first minibatch: learner = sampler params, so the weight's
+  # mismatch ratio is numerical only.
+  assert max(r["offpolicy/ratio_max"] for r in rl) < 1.5
