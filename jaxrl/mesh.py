@@ -38,6 +38,7 @@ RULES: dict[str, Rules] = {
     ("head_dim", None),
     ("norm", None),
     ("experts", "fsdp"),
+    ("lora", None),  # the LoRA rank: small, so every shard holds all of it
     ("layers", None),
     ("length", None),
     ("act_embed", None),
@@ -58,6 +59,7 @@ RULES: dict[str, Rules] = {
     ("head_dim", None),
     ("norm", None),
     ("experts", None),
+    ("lora", None),
     ("layers", None),
     ("length", None),
     ("act_embed", None),

@@ -2,10 +2,10 @@
 
 One axis vocabulary, used in einsum strings, shape comments and sharding names everywhere:
   B batch, T query positions, S key positions, D model dim, N query heads, K kv heads,
-  H head dim, F mlp hidden, V vocab, E experts, L layers, G group size.
+  H head dim, F mlp hidden, V vocab, E experts, L layers, G group size, R LoRA rank.
 
 Logical parameter axes (mapped to mesh axes by the tables in `jaxrl.mesh`):
-  "vocab", "embed", "q_heads", "kv_heads", "head_dim", "mlp", "norm", "experts".
+  "vocab", "embed", "q_heads", "kv_heads", "head_dim", "mlp", "norm", "experts", "lora".
 """
 
 from jaxrl.models.config import ModelConfig, RopeScaling

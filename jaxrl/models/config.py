@@ -10,6 +10,8 @@ _DTYPES = ("float32", "bfloat16", "float16")
 _ROPE_KINDS = ("llama3", "linear")
 LAYER_TYPES = ("full_attention", "sliding_attention")  # HF `layer_types` names
 MLP_ACTIVATIONS = ("silu", "gelu_tanh")
+# Projections a LoRA adapter can wrap: attention q/k/v/o and the dense (not MoE) gated MLP.
+LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,6 +74,11 @@ class ModelConfig:
   experts_per_token: int = 0  # top k of the router
   moe_mlp_dim: int = 0  # F of each expert
   norm_topk_prob: bool = True  # renormalise the top-k router weights to sum to 1
+  # LoRA (jaxrl.models.lora): y = x W + (lora_alpha / lora_rank) (x A) B on each target
+  # projection. lora_rank=0 is off and leaves the model (and its seeded init) unchanged.
+  lora_rank: int = 0
+  lora_alpha: float = 16.0
+  lora_targets: tuple[str, ...] = LORA_TARGETS
 
   def __post_init__(self):
     for name in ("vocab_size", "num_layers", "embed_dim", "num_heads", "num_kv_heads"):
@@ -96,6 +103,7 @@ class ModelConfig:
         raise ValueError(f"model.{name}={getattr(self, name)!r}; allowed: {_DTYPES}")
     self._validate_gemma_fields()
     self._validate_moe_fields()
+    self._validate_lora_fields()
 
   def _validate_gemma_fields(self):
     if self.layer_types is not None:
@@ -144,6 +152,34 @@ class ModelConfig:
         f"model.experts_per_token={k!r} must be an int in [1, model.num_experts={self.num_experts}]"
       )
     _positive("moe_mlp_dim", self.moe_mlp_dim)
+
+  def _validate_lora_fields(self):
+    if not isinstance(self.lora_rank, int) or self.lora_rank < 0:
+      raise ValueError(f"model.lora_rank must be an int >= 0 (0: no LoRA); got {self.lora_rank!r}")
+    if not self.lora_alpha > 0:
+      raise ValueError(f"model.lora_alpha={self.lora_alpha!r} must be > 0")
+    if isinstance(self.lora_targets, str):
+      raise ValueError(
+        f"model.lora_targets={self.lora_targets!r} must be a sequence of names from {LORA_TARGETS}"
+      )
+    object.__setattr__(self, "lora_targets", tuple(self.lora_targets))  # hashable, as layer_types
+    bad = [t for t in self.lora_targets if t not in LORA_TARGETS]
+    if bad:
+      raise ValueError(f"model.lora_targets has unknown {bad}; allowed: {LORA_TARGETS}")
+    if len(set(self.lora_targets)) != len(self.lora_targets):
+      raise ValueError(f"model.lora_targets={self.lora_targets} repeats a name")
+    if not self.lora_rank:
+      return
+    if not self.lora_targets:
+      raise ValueError(f"model.lora_rank={self.lora_rank} needs at least one model.lora_targets")
+    # Expert weights are not adapted (a per-expert adapter is E adapters, not one); every layer
+    # of a jaxrl MoE model is sparse, so MLP targets there would silently adapt nothing.
+    mlp = [t for t in self.lora_targets if t in ("gate", "up", "down")]
+    if self.num_experts and mlp:
+      raise ValueError(
+        f"model.lora_targets has MLP targets {mlp} but model.num_experts={self.num_experts}: "
+        "MoE expert weights are not LoRA targets; allowed here: ('q', 'k', 'v', 'o')"
+      )
 
   def layer_window(self, layer: int) -> int | None:
     """The sliding window of layer `layer`, or None where it attends to everything before it."""

@@ -20,6 +20,7 @@ from safetensors.numpy import save_file
 
 from jaxrl.mesh import Rules, param_shardings
 from jaxrl.models.config import _DTYPES, LAYER_TYPES, ModelConfig, RopeScaling, sliding_layer_types
+from jaxrl.models.lora import merge_lora
 from jaxrl.models.transformer import Transformer
 
 FAMILIES = ("qwen3", "qwen2", "llama", "qwen3_moe", "mixtral", "gemma3_text")
@@ -610,11 +611,10 @@ def weight_plan(
 
   `expert` is None, or the index into the param's leading expert axis that an {e} rule's tensor
   fills. Rules whose param the model lacks (`lm_head` when tied) are dropped; a param no rule
-  covers is an error in the table, so it raises.
+  covers is an error in the table, so it raises. LoRA adapters are not HF tensors: skipped.
   """
-  paths = {
-    _path_str(p) for p, _ in jax.tree_util.tree_flatten_with_path(params, is_leaf=_is_variable)[0]
-  }
+  leaves = jax.tree_util.tree_flatten_with_path(params, is_leaf=_is_variable)[0]
+  paths = {_path_str(p) for p, v in leaves if not isinstance(v, nnx.LoRAParam)}
   plan = {}
   for hf_name, path, kind in weight_map:
     layers = range(cfg.num_layers) if "{i}" in hf_name else [None]
@@ -652,11 +652,15 @@ def load_hf_checkpoint(
   mesh: jax.sharding.Mesh | None = None,
   rules: Rules | str | None = None,
   dtype: str | None = None,
+  lora: Mapping[str, Any] | None = None,
+  lora_seed: int = 0,
 ) -> tuple[ModelConfig, nnx.GraphDef, nnx.State]:
   """Reads an HF checkpoint directory (config.json + safetensors, single or sharded).
 
   With `mesh` and `rules` each tensor goes straight to its own sharding as it is read, so the
   whole model never sits on one device. `dtype` overrides the checkpoint's param/compute dtype.
+  `lora` ({"lora_rank": r, "lora_alpha": ..., "lora_targets": ...}, ModelConfig fields) adds
+  fresh adapters to the loaded base: A drawn from `lora_seed`, B zero, so logits are the base's.
   """
   path = Path(path)
   if (mesh is None) != (rules is None):
@@ -665,6 +669,13 @@ def load_hf_checkpoint(
   cfg = config_from_hf(hf_config)
   if dtype is not None:
     cfg = cfg.replace(dtype=dtype, param_dtype=dtype)
+  if lora:
+    bad = sorted(set(lora) - {"lora_rank", "lora_alpha", "lora_targets"})
+    if bad:
+      raise ValueError(
+        f"load_hf_checkpoint lora= has {bad}; allowed: lora_rank, lora_alpha, lora_targets"
+      )
+    cfg = cfg.replace(**lora)
   model_type = hf_config["model_type"]
   graphdef, abstract = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0))))
   plan = weight_plan(cfg, abstract, WEIGHT_MAPS[model_type])
@@ -715,16 +726,39 @@ def load_hf_checkpoint(
             continue
           x = stacks.pop(target)
         loaded[target] = jax.device_put(x, shardings.get(target))
+  if cfg.lora_rank:
+    loaded.update(_init_adapters(cfg, lora_seed, shardings))
   params = jax.tree_util.tree_map_with_path(
     lambda p, v: v.replace(value=loaded[_path_str(p)]), abstract, is_leaf=_is_variable
   )
   return cfg, graphdef, params
 
 
+def _init_adapters(cfg: ModelConfig, seed: int, shardings) -> dict[str, jax.Array]:
+  """Freshly initialised LoRA params, by path, each on its sharding (if any)."""
+
+  def init():
+    return nnx.state(Transformer(cfg, rngs=nnx.Rngs(params=seed)), nnx.LoRAParam)
+
+  # One jitted init: the base weights it would also draw are not outputs, so XLA drops them.
+  abstract = jax.eval_shape(init)
+  paths = [
+    _path_str(p) for p, _ in jax.tree_util.tree_flatten_with_path(abstract, is_leaf=_is_variable)[0]
+  ]
+  out_shardings = None
+  if shardings:
+    out_shardings = jax.tree_util.tree_unflatten(
+      jax.tree.structure(abstract), [shardings[p] for p in paths]
+    )
+  adapters = jax.jit(init, out_shardings=out_shardings)()
+  return dict(zip(paths, jax.tree.leaves(adapters), strict=True))
+
+
 def to_hf_state_dict(
   cfg: ModelConfig, params: nnx.State, model_type: str | None = None
 ) -> dict[str, np.ndarray]:
-  """HF tensor name -> numpy array in HF layout, gathered to host."""
+  """HF tensor name -> numpy array in HF layout, gathered to host (LoRA merged into the base)."""
+  cfg, params = merge_lora(cfg, params)
   model_type = config_to_hf(cfg, model_type)["model_type"]
   values = {
     _path_str(p): v.get_value()
@@ -750,10 +784,13 @@ def export_hf_checkpoint(
 ) -> None:
   """Writes config.json and safetensors that `transformers` loads (sharded above the threshold).
 
+  A LoRA model is merged first (`jaxrl.models.lora.merge_lora`): the checkpoint is the plain
+  model W + (alpha / r) A B, loadable anywhere without adapter support.
   Everything is written to a temporary directory first, so a failure leaves `out_dir` untouched.
   """
   if max_shard_bytes <= 0:
     raise ValueError(f"max_shard_bytes={max_shard_bytes} must be > 0")
+  cfg, params = merge_lora(cfg, params)
   hf_config = config_to_hf(cfg, model_type)
   shards: list[dict[str, np.ndarray]] = [{}]
   size = 0

@@ -1,6 +1,8 @@
-"""Transformer building blocks: RMSNorm, RoPE, grouped-query attention, gated MLP."""
+"""Transformer building blocks: RMSNorm, RoPE, grouped-query attention, gated MLP, LoRA."""
 
 from __future__ import annotations
+
+import math
 
 import jax
 import jax.numpy as jnp
@@ -16,6 +18,65 @@ def _param(rngs: nnx.Rngs, shape, fan_in: int, axes, dtype, scale: float = 1.0) 
   std = scale / fan_in**0.5
   value = std * jax.random.truncated_normal(rngs.params(), -2.0, 2.0, shape, jnp.float32)
   return nnx.Param(value.astype(dtype), axes=axes)
+
+
+# Salt of the LoRA random stream, so adapters never reuse a key of the base params.
+_LORA_SALT = 0x10A4
+
+
+def lora_key(rngs: nnx.Rngs) -> jax.Array:
+  """A key for a module's LoRA adapters that leaves the `params` stream where it was.
+
+  Derived from the stream's key and its current count (unique per module), but not drawn from it,
+  so enabling LoRA does not shift a single base weight for the same seed.
+  """
+  stream = rngs.params
+  return jax.random.fold_in(jax.random.fold_in(stream.key[...], _LORA_SALT), stream.count[...])
+
+
+class LoRA(nnx.Module):
+  """Low-rank adapter of one projection W [*in, *out]: adds scale * (x A) B, scale = alpha / r.
+
+  A [*in, r] is Kaiming-uniform as in PEFT (bound 1 / sqrt(fan_in)); B [r, *out] starts at zero,
+  so a fresh adapter changes nothing. Both are `nnx.LoRAParam`s, so filters can pick them out.
+  """
+
+  def __init__(self, key, in_shape, in_axes, out_shape, out_axes, cfg: ModelConfig):
+    r, dt = cfg.lora_rank, cfg.weight_dtype
+    bound = math.prod(in_shape) ** -0.5
+    a = jax.random.uniform(key, (*in_shape, r), jnp.float32, -bound, bound)
+    self.a = nnx.LoRAParam(a.astype(dt), axes=(*in_axes, "lora"))
+    self.b = nnx.LoRAParam(jnp.zeros((r, *out_shape), dt), axes=("lora", *out_axes))
+    self.scale = cfg.lora_alpha / r
+
+
+def make_adapters(cfg: ModelConfig, rngs: nnx.Rngs, shapes: dict) -> dict[str, LoRA | None]:
+  """{name: LoRA or None} for the projections `shapes` = {name: (in, in_axes, out, out_axes)}."""
+  targets = set(cfg.lora_targets) if cfg.lora_rank else set()
+  keys = jax.random.split(lora_key(rngs), len(shapes)) if targets & set(shapes) else None
+  return {
+    name: LoRA(keys[i], *shape, cfg) if name in targets else None
+    for i, (name, shape) in enumerate(shapes.items())
+  }
+
+
+def project(eq: str, x: jax.Array, w: nnx.Param, adapter: LoRA | None = None) -> jax.Array:
+  """x through the projection `w` (einsum `eq`, e.g. "BTD,DNH->BTNH"), plus its adapter if any.
+
+  The adapter goes through the rank R bottleneck, (x A) B, so the merged weight W + A B is never
+  built on the forward: that would cost a full weight's memory and FLOPs every step.
+  """
+  dt = x.dtype
+  y = jnp.einsum(eq, x, w[...].astype(dt))
+  if adapter is None:
+    return y
+  ins, out = eq.split("->")
+  xs, ws = ins.split(",")
+  contracted = "".join(c for c in ws if c in xs)
+  kept = "".join(c for c in ws if c not in xs)
+  lead = "".join(c for c in xs if c not in ws)
+  xa = jnp.einsum(f"{xs},{contracted}R->{lead}R", x, adapter.a[...].astype(dt))
+  return y + adapter.scale * jnp.einsum(f"{lead}R,R{kept}->{out}", xa, adapter.b[...].astype(dt))
 
 
 class RMSNorm(nnx.Module):
@@ -141,6 +202,18 @@ class Attention(nnx.Module):
       self.q_bias = self.k_bias = self.v_bias = None
     self.rope_theta, self.rope_scaling = cfg.layer_rope(layer_idx)
     self.window = cfg.layer_window(layer_idx)
+    qh, kh = ((n, h), ("q_heads", "head_dim")), ((k, h), ("kv_heads", "head_dim"))
+    lora = make_adapters(
+      cfg,
+      rngs,
+      {
+        "q": ((d,), ("embed",), *qh),
+        "k": ((d,), ("embed",), *kh),
+        "v": ((d,), ("embed",), *kh),
+        "o": (*qh, (d,), ("embed",)),
+      },
+    )
+    self.q_lora, self.k_lora, self.v_lora, self.o_lora = lora.values()
     self.scale = None if cfg.query_pre_attn_scalar is None else cfg.query_pre_attn_scalar**-0.5
     self.logit_cap = cfg.attn_logit_softcap
 
@@ -151,9 +224,9 @@ class Attention(nnx.Module):
     queries attend over the whole cache; returns (out [B, T, D], new cache or None).
     """
     dt = x.dtype
-    q = jnp.einsum("BTD,DNH->BTNH", x, self.q[...].astype(dt))
-    k = jnp.einsum("BTD,DKH->BTKH", x, self.k[...].astype(dt))
-    v = jnp.einsum("BTD,DKH->BTKH", x, self.v[...].astype(dt))
+    q = project("BTD,DNH->BTNH", x, self.q, self.q_lora)
+    k = project("BTD,DKH->BTKH", x, self.k, self.k_lora)
+    v = project("BTD,DKH->BTKH", x, self.v, self.v_lora)
     if self.q_bias is not None:
       q = q + self.q_bias[...].astype(dt)
       k = k + self.k_bias[...].astype(dt)
@@ -169,7 +242,7 @@ class Attention(nnx.Module):
       out = paged_attention(
         q, cache, positions, window=self.window, soft_cap=self.logit_cap, scale=self.scale
       )
-      return jnp.einsum("BTNH,NHD->BTD", out, self.o[...].astype(dt)), cache
+      return project("BTNH,NHD->BTD", out, self.o, self.o_lora), cache
     if cache is not None:
       ck, cv = cache
       k = jax.lax.dynamic_update_slice_in_dim(ck, k.astype(ck.dtype), cache_index, axis=1)
@@ -179,7 +252,7 @@ class Attention(nnx.Module):
     out = dot_attention(
       q, k.astype(dt), v.astype(dt), mask, scale=self.scale, logit_cap=self.logit_cap
     )
-    return jnp.einsum("BTNH,NHD->BTD", out, self.o[...].astype(dt)), cache
+    return project("BTNH,NHD->BTD", out, self.o, self.o_lora), cache
 
 
 class MLP(nnx.Module):
@@ -191,14 +264,18 @@ class MLP(nnx.Module):
     self.up = _param(rngs, (d, f), d, ("embed", "mlp"), dt)
     self.down = _param(rngs, (f, d), f, ("mlp", "embed"), dt, (2 * cfg.num_layers) ** -0.5)
     self.activation = cfg.mlp_activation
+    d_in, f_in = ((d,), ("embed",)), ((f,), ("mlp",))
+    lora = make_adapters(
+      cfg, rngs, {"gate": (*d_in, *f_in), "up": (*d_in, *f_in), "down": (*f_in, *d_in)}
+    )
+    self.gate_lora, self.up_lora, self.down_lora = lora.values()
 
   def __call__(self, x):
-    dt = x.dtype
-    g = jnp.einsum("BTD,DF->BTF", x, self.gate[...].astype(dt))
-    u = jnp.einsum("BTD,DF->BTF", x, self.up[...].astype(dt))
+    g = project("BTD,DF->BTF", x, self.gate, self.gate_lora)
+    u = project("BTD,DF->BTF", x, self.up, self.up_lora)
     # HF "gelu_pytorch_tanh" is the tanh approximation, which jax.nn.gelu computes by default.
     act = jax.nn.silu(g) if self.activation == "silu" else jax.nn.gelu(g, approximate=True)
-    return jnp.einsum("BTF,FD->BTD", act * u, self.down[...].astype(dt))
+    return project("BTF,FD->BTD", act * u, self.down, self.down_lora)
 
 
 class Block(nnx.Module):

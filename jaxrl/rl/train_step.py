@@ -4,6 +4,9 @@ A loss is an object with `denominator(batch)` (data only: e.g. the number of los
 whole batch) and `__call__(params, micro_batch) -> (weighted_sum, {name: (sum, count)})`. The step
 accumulates gradients of the weighted sums over micro-batches and divides once by the global
 denominator, so k micro-batches give exactly the gradient of one large batch.
+
+`trainable` (an nnx filter, or "lora" for the adapters) limits training to part of the params:
+the gradient, the optimizer state and the update cover only those; the rest pass through as is.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 import optax
+from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 
@@ -76,10 +80,40 @@ class Optimizer(NamedTuple):
     return self.tx.update(grads, opt_state, params)
 
 
-def init_state(params, optimizer) -> TrainState:
+def trainable_filter(trainable):
+  """The nnx filter of the trained params: None -> all, "lora" -> the LoRA adapters."""
+  if trainable is None:
+    return ...
+  return nnx.LoRAParam if trainable == "lora" else trainable
+
+
+def split_trainable(params, trainable):
+  """(trained, frozen) parts of `params`; the frozen part is None when everything trains.
+
+  `nnx.merge_state(trained, frozen)` rebuilds `params`. A filter that selects nothing raises:
+  training zero params (e.g. trainable="lora" on a model with lora_rank=0) is never intended.
+  """
+  if trainable is None:
+    return params, None
+  if not isinstance(params, nnx.State):
+    raise ValueError(f"trainable={trainable!r} needs nnx.State params, got {type(params).__name__}")
+  trained, frozen = nnx.split_state(params, trainable_filter(trainable), ...)
+  if not jax.tree.leaves(trained):
+    raise ValueError(
+      f"trainable={trainable!r} selects no params (for 'lora' the model needs model.lora_rank > 0)"
+    )
+  return trained, frozen
+
+
+def init_state(params, optimizer, *, trainable=None) -> TrainState:
   """A fresh state whose every leaf lives on the params' mesh: params keep their shardings,
-  optimizer moments mirror them (by propagation), scalars are replicated."""
-  state = TrainState(params=params, opt_state=optimizer.init(params), step=jnp.zeros((), jnp.int32))
+  optimizer moments mirror them (by propagation), scalars are replicated.
+
+  With `trainable` the optimizer state covers only the trained params (pass the same value to
+  `make_train_step`): for LoRA the Adam moments are adapter-sized, not model-sized.
+  """
+  opt_state = optimizer.init(split_trainable(params, trainable)[0])
+  state = TrainState(params=params, opt_state=opt_state, step=jnp.zeros((), jnp.int32))
   return jax.device_put(state, state_shardings(state))
 
 
@@ -109,45 +143,57 @@ def _split_micro(batch, k: int):
   return jax.tree.map(split, batch)
 
 
-def make_train_step(optimizer, loss, *, num_microbatches: int = 1, donate: bool = True):
-  """Build the jitted train step for `loss` (see module docstring)."""
+def make_train_step(
+  optimizer, loss, *, num_microbatches: int = 1, donate: bool = True, trainable=None
+):
+  """Build the jitted train step for `loss` (see module docstring).
+
+  `trainable` (None: all params; "lora": the adapters; or an nnx filter) must be the value the
+  state was built with (`init_state`). Metrics' norms are over the trained params.
+  """
   if num_microbatches < 1:
     raise ValueError(f"num_microbatches must be >= 1, got {num_microbatches}")
 
   def step_fn(state: TrainState, batch):
     denom = jnp.maximum(loss.denominator(batch), 1.0)
-    grad_fn = jax.grad(lambda p, mb: loss(p, mb), has_aux=True)
-    zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), state.params)
+    trained, frozen = split_trainable(state.params, trainable)
+
+    def full(p):
+      return p if frozen is None else nnx.merge_state(p, frozen)
+
+    grad_fn = jax.grad(lambda p, mb: loss(full(p), mb), has_aux=True)
+    zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), trained)
 
     if num_microbatches == 1:
-      g, aux = grad_fn(state.params, batch)
+      g, aux = grad_fn(trained, batch)
     else:
       micro_batches = _split_micro(batch, num_microbatches)
-      _, aux0 = jax.eval_shape(grad_fn, state.params, jax.tree.map(lambda x: x[0], micro_batches))
+      _, aux0 = jax.eval_shape(grad_fn, trained, jax.tree.map(lambda x: x[0], micro_batches))
       init = (zeros, jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), aux0))
 
       def body(carry, mb):
         grads, aux_sum = carry
-        g, aux = grad_fn(state.params, mb)
+        g, aux = grad_fn(trained, mb)
         grads = jax.tree.map(lambda a, b: a + b.astype(jnp.float32), grads, g)
         return (grads, jax.tree.map(jnp.add, aux_sum, aux)), None
 
       (g, aux), _ = jax.lax.scan(body, init, micro_batches)
     grads = jax.tree.map(lambda x: x.astype(jnp.float32) / denom, g)
-    updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-    params = optax.apply_updates(state.params, updates)
+    updates, opt_state = optimizer.update(grads, state.opt_state, trained)
+    trained = optax.apply_updates(trained, updates)
     metrics = {k: s / jnp.maximum(c, 1e-9) for k, (s, c) in aux.items()}
     metrics.update(
       {
         "opt/grad_norm": optax.tree.norm(grads),
-        "opt/param_norm": optax.tree.norm(params),
+        "opt/param_norm": optax.tree.norm(trained),
         "opt/update_norm": optax.tree.norm(updates),
         "opt/lr": jnp.asarray(optimizer.lr_fn(state.step), jnp.float32),
         "opt/loss_tokens": denom,
       }
     )
     metrics = {k: jnp.asarray(v, jnp.float32) for k, v in metrics.items()}
-    return TrainState(params=params, opt_state=opt_state, step=state.step + 1), metrics
+    new = TrainState(params=full(trained), opt_state=opt_state, step=state.step + 1)
+    return new, metrics
 
   return _PinnedStep(step_fn, donate)
 

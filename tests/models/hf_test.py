@@ -661,3 +661,53 @@ def test_bad_moe_checkpoint_names_tensor(edit, match, tmp_path):
   _edit_checkpoint(tmp_path, edit)
   with pytest.raises(ValueError, match=match):
     hf.load_hf_checkpoint(tmp_path)
+
+
+def test_lora_load_adds_fresh_adapters_and_export_merges_them(tmp_path):
+  from jaxrl.models.lora import split_lora
+  from jaxrl.models.transformer import make_model
+
+  model = _hf_model("qwen3_gqa_tied")
+  model.save_pretrained(tmp_path / "src")
+  cfg0, graphdef0, params0 = hf.load_hf_checkpoint(tmp_path / "src")
+  lora = dict(lora_rank=3, lora_alpha=6.0, lora_targets=("q", "o", "down"))
+  cfg, graphdef, params = hf.load_hf_checkpoint(tmp_path / "src", lora=lora, lora_seed=1)
+  assert cfg == cfg0.replace(**lora)
+  adapter, base = split_lora(params)
+  jax.tree.map(np.testing.assert_array_equal, _pure(base), _pure(params0))
+  # The adapters are those of a fresh LoRA model of the same seed (A random, B zero) ...
+  _, fresh = make_model(cfg, seed=1)
+  jax.tree.map(np.testing.assert_array_equal, _pure(adapter), _pure(split_lora(fresh)[0]))
+  tokens, valid = _batch()
+  base_logits = _jax_logits(graphdef0, params0, tokens, valid)
+  # ... so the loaded LoRA model is the checkpoint's model.
+  np.testing.assert_array_equal(_jax_logits(graphdef, params, tokens, valid), base_logits)
+
+  # As after training: B nonzero. Export merges it; transformers then computes base + adapter.
+  rng = np.random.default_rng(0)
+  params = jax.tree_util.tree_map_with_path(
+    lambda p, x: x + 0.3 * rng.normal(size=x.shape).astype(x.dtype) if p[-2].key == "b" else x,
+    params,
+  )
+  ours = _jax_logits(graphdef, params, tokens, valid)
+  assert np.abs(ours - base_logits)[valid].max() > 0.1
+  hf.export_hf_checkpoint(cfg, params, tmp_path / "out")
+  reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval().float()
+  np.testing.assert_allclose(_hf_logits(reloaded, tokens, valid)[valid], ours[valid], atol=1e-4)
+  cfg2, graphdef2, params2 = hf.load_hf_checkpoint(tmp_path / "out")
+  assert cfg2 == cfg0
+  np.testing.assert_allclose(_jax_logits(graphdef2, params2, tokens, valid), ours, atol=1e-5)
+
+  with pytest.raises(ValueError, match=r"lora= has \['rank'\]; allowed: lora_rank"):
+    hf.load_hf_checkpoint(tmp_path / "src", lora=dict(rank=2))
+
+
+def test_lora_sharded_load_places_adapters_by_their_axes(tmp_path):
+  _hf_model("qwen3_mha").save_pretrained(tmp_path)
+  mesh = make_mesh(1, 4, 2)
+  _, _, params = hf.load_hf_checkpoint(tmp_path, mesh=mesh, rules="fsdp_tp", lora=dict(lora_rank=2))
+  attn = params["layers"][0]["attn"]
+  # q's A [D, r]: embed on fsdp, the rank whole; B [r, N, H]: heads on tensor.
+  assert attn["q_lora"]["a"].get_value().sharding.spec == P("fsdp", None)
+  assert attn["q_lora"]["b"].get_value().sharding.spec == P(None, "tensor", None)
+  assert attn["q"].get_value().sharding.spec == P("fsdp", "tensor", None)

@@ -7,9 +7,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from flax import nnx
 
-from jaxrl.models import ModelConfig, make_model
-from jaxrl.models.transformer import token_logprobs
+from jaxrl.models import ModelConfig, Transformer, make_model
+from jaxrl.models.lora import merge_lora, split_lora
+from jaxrl.models.transformer import apply, positions_from_mask, token_logprobs
 from jaxrl.rl.batch import TrainBatch
 from jaxrl.rl.objectives import GRPOLoss
 from jaxrl.rl.train_step import Optimizer, init_state, make_optimizer, make_train_step
@@ -215,3 +217,61 @@ def test_adamw_first_update_clipping_and_weight_decay():
   zeros = {"w": jnp.zeros(3)}
   updates, _ = opt.update(zeros, opt.init(params), params)
   np.testing.assert_allclose(updates["w"], [-0.05, 0.1, -0.15], rtol=1e-6)
+
+
+class _TokenNLL:
+  """Supervised -log p of the loss tokens: a loss whose decrease is unambiguous."""
+
+  def __init__(self, graphdef):
+    self.graphdef = graphdef
+
+  def denominator(self, batch):
+    return jnp.sum(batch.loss_mask)
+
+  def __call__(self, params, mb):
+    logp = token_logprobs(self.graphdef, params, mb.tokens, mb.valid)
+    total = -jnp.sum(logp * mb.loss_mask)
+    return total, {"nll": (total, jnp.sum(mb.loss_mask))}
+
+
+def test_lora_step_trains_only_the_adapters():
+  cfg = CFG.replace(lora_rank=3, lora_alpha=8.0)
+  graphdef, params = make_model(cfg, seed=0)
+  opt = make_optimizer(learning_rate=3e-2, warmup_steps=0, total_steps=8, schedule="constant")
+  step = make_train_step(opt, _TokenNLL(graphdef), num_microbatches=2, trainable="lora")
+  batch = make_batch(graphdef, params, seed=6)
+  state = init_state(jax.tree.map(jnp.copy, params), opt, trainable="lora")
+  adapter0, base0 = split_lora(params)
+  # The optimizer state is adapter-sized: Adam's two moments per adapter leaf, nothing else.
+  moments = [x for x in jax.tree.leaves(state.opt_state) if x.ndim]
+  assert len(moments) == 2 * len(jax.tree.leaves(adapter0))
+  assert sorted(x.shape for x in moments) == sorted(
+    2 * [x.shape for x in jax.tree.leaves(adapter0)]
+  )
+  nll = []
+  for _ in range(5):
+    old = state
+    state, m = step(state, batch)
+    assert all(x.is_deleted() for x in jax.tree.leaves(old))  # donated, base params included
+    nll.append(float(m["nll"]))
+    adapter, _ = split_lora(state.params)
+    np.testing.assert_allclose(m["opt/param_norm"], np_norm(adapter), rtol=1e-5)
+  assert step._cache_size() == 1
+  assert all(b < a for a, b in zip(nll, nll[1:], strict=False)) and nll[-1] < nll[0] - 0.05, nll
+  adapter, base = split_lora(state.params)
+  jax.tree.map(np.testing.assert_array_equal, base, base0)  # bitwise: the base is frozen
+  for new, old in zip(jax.tree.leaves(adapter), jax.tree.leaves(adapter0), strict=True):
+    assert np.abs(np.asarray(new) - np.asarray(old)).max() > 1e-4  # A and B both moved
+  # The trained model, merged, is the same function: base graphdef, folded weights.
+  merged_cfg, merged = merge_lora(cfg, state.params)
+  plain_graphdef = nnx.graphdef(nnx.eval_shape(lambda: Transformer(merged_cfg, rngs=nnx.Rngs(0))))
+  pos = positions_from_mask(batch.valid)
+  want, _ = jax.jit(apply, static_argnums=0)(graphdef, state.params, batch.tokens, pos, batch.valid)
+  got, _ = jax.jit(apply, static_argnums=0)(plain_graphdef, merged, batch.tokens, pos, batch.valid)
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=0)
+
+
+def test_trainable_lora_without_adapters_raises(model):
+  _, params = model
+  with pytest.raises(ValueError, match=r"trainable='lora' selects no params.*lora_rank > 0"):
+    init_state(params, SGD, trainable="lora")
