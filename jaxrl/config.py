@@ -35,13 +35,28 @@ class MeshConfig:
 
 @dataclasses.dataclass(frozen=True)
 class ModelSection:
-  preset: str = _field("arith_small")
+  preset: str = _field("arith_small", help="a jaxrl.models.config preset; ignored with path")
+  path: str = _field("", help="an HF checkpoint directory (config.json + safetensors)")
+  tokenizer: str = _field("", help="'byte', an HF tokenizer directory, or '' = path or byte")
   dtype: str = _field("float32", choices=("float32", "bfloat16"))
+  max_seq_len: int = _field(0, lo=0, help="override the preset's context length; 0 = keep")
+  lora_rank: int = _field(0, lo=0, help="LoRA adapters of this rank (0 = full fine-tuning)")
+  lora_alpha: float = _field(16.0, lo=0.0, lo_open=True)
+  lora_targets: str = _field("q,k,v,o,gate,up,down", help="comma-separated projections")
 
 
 @dataclasses.dataclass(frozen=True)
 class TaskConfig:
-  name: str = _field("arithmetic", choices=("arithmetic",))
+  name: str = _field("arithmetic", choices=("arithmetic", "jsonl", "word_problems"))
+  path: str = _field("", help="name='jsonl': the training JSONL/Parquet file")
+  held_out_path: str = _field("", help="name='jsonl': a held-out file ('' = held_out_fraction)")
+  prompt_field: str = _field("question")
+  answer_field: str = _field("answer")
+  answer_format: str = _field("gsm8k", choices=("gsm8k", "raw"))
+  num_problems: int = _field(2000, lo=1, help="name='word_problems': problems generated")
+  prompt_template: str = _field("{prompt}", help="str.format over the record's fields")
+  chat: bool = _field(False, help="render the prompt through the tokenizer's chat template")
+  system_prompt: str = _field("", help="chat=True: a system message ('' = none)")
   max_digits: int = _field(2, lo=1, hi=9)
   ops: str = _field("+-", help="characters from '+-*'")
   held_out_fraction: float = _field(0.1, lo=0.0, hi=1.0, lo_open=True)
@@ -88,6 +103,18 @@ class DynamicSamplingConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class RolloutConfig:
+  """How RL samples: the continuous-batching engine (paged KV, one prefill per group) or the
+  v0 static sampler (one jitted prefill + decode loop over a contiguous cache)."""
+
+  sampler: str = _field("engine", choices=("engine", "static"))
+  slots: int = _field(0, lo=0, help="engine decode slots; 0 = every sample of a step at once")
+  page_size: int = _field(16, lo=1)
+  num_pages: int = _field(0, lo=0, help="KV page budget; 0 = enough for every slot")
+  steps_per_call: int = _field(8, lo=1, help="decode steps per jitted engine call")
+
+
+@dataclasses.dataclass(frozen=True)
 class RLConfig:
   steps: int = _field(100, lo=1)
   prompts_per_step: int = _field(16, lo=1)
@@ -130,6 +157,7 @@ class RLConfig:
   sat_tail: float = _field(2.0, lo=0.0, lo_open=True, help="SAT tail threshold, batch RMS units")
   overlong: OverlongConfig = dataclasses.field(default_factory=OverlongConfig)
   dynamic_sampling: DynamicSamplingConfig = dataclasses.field(default_factory=DynamicSamplingConfig)
+  rollout: RolloutConfig = dataclasses.field(default_factory=RolloutConfig)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -271,6 +299,18 @@ def validate(cfg) -> Config:
   )
   check(
     set(c.task.ops) <= set("+-*") and c.task.ops != "", "task.ops", c.task.ops, "chars of '+-*'"
+  )
+  check(
+    c.task.name != "jsonl" or bool(c.task.path),
+    "task.path",
+    c.task.path,
+    "a JSONL/Parquet file when task.name='jsonl'",
+  )
+  check(
+    not (c.task.chat and c.model.tokenizer == "byte"),
+    "task.chat",
+    c.task.chat,
+    "False with model.tokenizer='byte' (the byte tokenizer has no chat template)",
   )
   b_rl = c.rl.prompts_per_step * c.rl.group_size
   check(

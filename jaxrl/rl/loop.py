@@ -21,20 +21,21 @@ from jaxrl import rewards
 from jaxrl.checkpoint import Checkpointer
 from jaxrl.config import Config, ConfigError
 from jaxrl.data.arithmetic import ArithmeticTask
-from jaxrl.mesh import get_rules, make_mesh, named_sharding, shard_params
+from jaxrl.mesh import get_rules, make_mesh, named_sharding
 from jaxrl.metrics import MetricsWriter, Progress, plot_curves
-from jaxrl.models.config import from_preset
-from jaxrl.models.transformer import make_model, token_logprobs
+from jaxrl.models.lora import without_adapter
+from jaxrl.models.transformer import token_logprobs
 from jaxrl.rl import batch as batch_lib
+from jaxrl.rl import components
 from jaxrl.rl import offpolicy as offpolicy_lib
 from jaxrl.rl.advantages import ESTIMATORS
 from jaxrl.rl.allocation import fill_groups, informative_groups
 from jaxrl.rl.objectives import GRPOLoss, SFTLoss
 from jaxrl.rl.shaping import overlong_penalty, truncation_keep
 from jaxrl.rl.train_step import init_state, make_optimizer, make_train_step
+from jaxrl.rollout.collect import GroupSampler
 from jaxrl.rollout.sampler import left_pad, make_sampler, row_keys
 from jaxrl.rollout.sampling import SamplingParams
-from jaxrl.tokenizer import ByteTokenizer
 
 
 class Trainer:
@@ -44,44 +45,60 @@ class Trainer:
     self.cfg = cfg
     self.log = log
     self.workdir = Path(cfg.workdir)
-    self.tokenizer = tok = ByteTokenizer()
+    self.tokenizer = tok = components.build_tokenizer(cfg.model)
+    self.encode_prompt = components.PromptEncoder(cfg.task, tok)
     self.mesh = make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor)
     self.rules = get_rules(cfg.mesh.rules)
-    self.model_cfg = from_preset(cfg.model.preset, vocab_size=tok.vocab_size, dtype=cfg.model.dtype)
+    self.model_cfg, self.graphdef, self.init_params = components.build_model(
+      cfg.model, tok, self.mesh, self.rules, seed=cfg.seed
+    )
     rl = cfg.rl
     if rl.max_prompt_len + rl.max_new_tokens > self.model_cfg.max_seq_len:
       raise ConfigError(
         f"config.rl.max_prompt_len + config.rl.max_new_tokens = {rl.max_prompt_len} + "
         f"{rl.max_new_tokens} exceeds the model's max_seq_len={self.model_cfg.max_seq_len}"
       )
-    self.task = ArithmeticTask(
-      max_digits=cfg.task.max_digits,
-      ops=tuple(cfg.task.ops),
-      held_out_fraction=cfg.task.held_out_fraction,
-      allow_negative=cfg.task.allow_negative,
-      operand_dist=cfg.task.operand_dist,
-    )
+    self.task = components.build_task(cfg.task, self.workdir, seed=cfg.seed)
     self.reward_fn = rewards.get(cfg.reward.name)
     self.held_out = self.task.held_out(cfg.eval.num_examples, seed=cfg.seed)
     self.base_key = jax.random.key(cfg.seed)
-
-    self.graphdef, params = make_model(self.model_cfg, seed=cfg.seed)
-    self.init_params = shard_params(params, self.mesh, self.rules)
     self.batch_sharding = named_sharding(self.mesh, ("batch",), self.rules)
 
-    sample_kw = dict(
-      prompt_len=rl.max_prompt_len,
-      max_new_tokens=rl.max_new_tokens,
-      eos_id=tok.eos_id,
-      pad_id=tok.pad_id,
-    )
     self.sampling = SamplingParams(rl.temperature, rl.top_k, rl.top_p)
-    self.sample_fn = make_sampler(
-      self.graphdef, self.model_cfg, sampling=self.sampling, **sample_kw
-    )
-    self.greedy_fn = make_sampler(
-      self.graphdef, self.model_cfg, sampling=SamplingParams(temperature=0.0), **sample_kw
-    )
+    self.greedy = SamplingParams(temperature=0.0)
+    ro = rl.rollout
+    if ro.sampler == "engine":
+      # The continuous-batching engine: one prefill per group, paged KV, all stop ids.
+      slots = ro.slots or max(rl.prompts_per_step * rl.group_size, cfg.eval.batch_size)
+      self.group_sampler = GroupSampler(
+        self.model_cfg,
+        self.graphdef,
+        prompt_len=rl.max_prompt_len,
+        max_new_tokens=rl.max_new_tokens,
+        eos_ids=tok.eos_ids,
+        pad_id=tok.pad_id,
+        sampling=self.sampling,
+        max_concurrent_decodes=slots,
+        num_pages=ro.num_pages or None,
+        page_size=ro.page_size,
+        steps_per_call=ro.steps_per_call,
+        tokenizer=tok,
+        mesh=self.mesh,
+      )
+    else:
+      # The v0 static sampler: one jitted prefill + decode loop; stops on tok.eos_id only.
+      sample_kw = dict(
+        prompt_len=rl.max_prompt_len,
+        max_new_tokens=rl.max_new_tokens,
+        eos_id=tok.eos_id,
+        pad_id=tok.pad_id,
+      )
+      self.sample_fn = make_sampler(
+        self.graphdef, self.model_cfg, sampling=self.sampling, **sample_kw
+      )
+      self.greedy_fn = make_sampler(
+        self.graphdef, self.model_cfg, sampling=self.greedy, **sample_kw
+      )
     self.ref_logprobs_fn = jax.jit(
       lambda p, t, v: token_logprobs(self.graphdef, p, t, v, temperature=rl.temperature)
     )
@@ -121,11 +138,16 @@ class Trainer:
       m2po_tau=rl.m2po_tau,
       sat_tail=rl.sat_tail,
     )
+    # With LoRA only the adapters train (optimizer state for them only); the base is frozen.
+    self.trainable = "lora" if self.model_cfg.lora_rank else None
     self.sft_step = make_train_step(
-      self.sft_opt, SFTLoss(self.graphdef), num_microbatches=cfg.sft.num_microbatches
+      self.sft_opt,
+      SFTLoss(self.graphdef),
+      num_microbatches=cfg.sft.num_microbatches,
+      trainable=self.trainable,
     )
     self.rl_step = make_train_step(
-      self.rl_opt, self.grpo_loss, num_microbatches=rl.num_microbatches
+      self.rl_opt, self.grpo_loss, num_microbatches=rl.num_microbatches, trainable=self.trainable
     )
     self.advantage_fn = ESTIMATORS.get(rl.advantage)
     ck = cfg.checkpoint
@@ -142,17 +164,24 @@ class Trainer:
 
   # ----------------------------------------------------------------------------------- helpers
 
-  def _prompts(self, records) -> tuple[np.ndarray, np.ndarray]:
+  def _encode(self, records) -> list[list[int]]:
     seqs = []
     for r in records:
-      ids = self.tokenizer.encode(r["prompt"], add_bos=True)
+      ids = self.encode_prompt(r)
       if len(ids) > self.cfg.rl.max_prompt_len:
         raise ValueError(
           f"prompt {r['prompt']!r} has {len(ids)} tokens, more than "
           f"config.rl.max_prompt_len={self.cfg.rl.max_prompt_len}"
         )
       seqs.append(ids)
-    return left_pad(seqs, self.cfg.rl.max_prompt_len, self.tokenizer.pad_id)
+    return seqs
+
+  def _prompts(self, records) -> tuple[np.ndarray, np.ndarray]:
+    return left_pad(self._encode(records), self.cfg.rl.max_prompt_len, self.tokenizer.pad_id)
+
+  def _seed(self, *parts: int) -> int:
+    """An engine run seed (its request keys fold in request ids) derived from the run seed."""
+    return int(np.random.SeedSequence([self.cfg.seed, *parts]).generate_state(1)[0] >> 1)
 
   def _shard_batch(self, batch):
     return jax.device_put(jax.tree.map(jnp.asarray, batch), self.batch_sharding)
@@ -170,6 +199,17 @@ class Trainer:
     bs = self.cfg.eval.batch_size
     recs = self.held_out
     correct, lengths = [], []
+    if self.cfg.rl.rollout.sampler == "engine":
+      # Every held-out prompt at once: the driver queues what does not fit the slots.
+      out, _ = self.group_sampler(
+        params, self._encode(recs), group_size=1, seed=self._seed(), sampling=self.greedy
+      )
+      texts = self._completions(out.tokens, out.lengths)
+      r, _ = rewards.compute_rewards(self.reward_fn, texts, recs, on_error=self.cfg.reward.on_error)
+      return {
+        "eval/accuracy": float(np.mean(r)),
+        "eval/response_length": float(np.mean(out.lengths)),
+      }
     for i in range(0, len(recs), bs):
       chunk = recs[i : i + bs]
       padded = chunk + [chunk[0]] * (bs - len(chunk))  # fixed shape: compile once
@@ -201,9 +241,11 @@ class Trainer:
     latest = self.sft_ckpt.latest_step() if self.cfg.resume else None
     if latest is None:
       self.summary["accuracy_init"] = self.evaluate(params)["eval/accuracy"]
-    state = init_state(params, self.sft_opt)
+    state = init_state(params, self.sft_opt, trainable=self.trainable)
     # The warm-start has its own data mix; RL prompts and the held-out set follow `task`.
-    sft_task = dataclasses.replace(self.task, operand_dist=cfg.operand_dist)
+    sft_task = self.task
+    if isinstance(self.task, ArithmeticTask):
+      sft_task = dataclasses.replace(self.task, operand_dist=cfg.operand_dist)
     it = iter(sft_task.train_dataset(seed=self.cfg.seed + 1, batch_size=cfg.batch_size))
     start = 0
     if latest is not None:
@@ -263,15 +305,27 @@ class Trainer:
     """Sample group_size completions per prompt with the learner's params and score them."""
     g = self.cfg.rl.group_size
     group_records = [r for r in records for _ in range(g)]
-    toks, mask = self._prompts(group_records)
-    b = len(group_records)
-    key = jax.random.fold_in(self.base_key, step)
-    if rnd:  # round 0 keeps the keys of a run without dynamic sampling
-      key = jax.random.fold_in(key, rnd)
-    keys = row_keys(key, np.arange(b))
-    # The learner's own param pytree goes in: no copy, no sync.
-    rollout = self.sample_fn(self.state.params, toks, mask, keys)
-    host = jax.device_get(rollout)
+    if self.cfg.rl.rollout.sampler == "engine":
+      # The learner's own param pytree goes in: no copy, no sync. One prefill per group.
+      rollout, engine_stats = self.group_sampler(
+        self.state.params,
+        self._encode(records),
+        group_size=g,
+        seed=self._seed(step, rnd),
+        version=step,
+      )
+      self._engine_stats = engine_stats
+      host = rollout
+    else:
+      toks, mask = self._prompts(group_records)
+      b = len(group_records)
+      key = jax.random.fold_in(self.base_key, step)
+      if rnd:  # round 0 keeps the keys of a run without dynamic sampling
+        key = jax.random.fold_in(key, rnd)
+      keys = row_keys(key, np.arange(b))
+      # The learner's own param pytree goes in: no copy, no sync.
+      rollout = self.sample_fn(self.state.params, toks, mask, keys)
+      host = jax.device_get(rollout)
     texts = self._completions(host.tokens, host.lengths)
     r, n_err = rewards.compute_rewards(
       self.reward_fn, texts, group_records, on_error=self.cfg.reward.on_error
@@ -333,7 +387,10 @@ class Trainer:
     if rl.beta > 0:
       full = jnp.concatenate([rollout.prompt_tokens, rollout.tokens], axis=1)
       valid = jnp.concatenate([rollout.prompt_mask, rollout.mask], axis=1)
-      ref = self.ref_logprobs_fn(self.ref_params, full, valid)
+      ref_params = self.ref_params
+      if self.trainable:
+        ref_params = without_adapter(self.state.params)
+      ref = self.ref_logprobs_fn(ref_params, full, valid)
     batch = batch_lib.from_rollout(rollout, adv, version=step, ref_logprobs=ref)
     if ds.enabled or rl.overlong.mask_truncated:
       w = jnp.asarray(row_weight)[:, None]
@@ -349,13 +406,17 @@ class Trainer:
       "rl/truncated_frac": float(host.truncated.mean()),
       **stats,
     }
+    if self.cfg.rl.rollout.sampler == "engine":
+      stats.update({f"rollout/{k}": float(v) for k, v in self._engine_stats.items()})
     return batch, stats
 
   def run_rl(self, until: int | None = None) -> None:
     rl = self.cfg.rl
-    self.state = init_state(self.sft_params, self.rl_opt)
+    self.state = init_state(self.sft_params, self.rl_opt, trainable=self.trainable)
     if rl.beta > 0:
-      self.ref_params = jax.tree.map(jnp.copy, self.sft_params)  # frozen; the learner moves on
+      # Frozen; the learner moves on. With LoRA the reference is the base without the adapter,
+      # read from the learner's own (frozen) base arrays at each step: no second copy.
+      self.ref_params = None if self.trainable else jax.tree.map(jnp.copy, self.sft_params)
     it = iter(self.task.train_dataset(seed=self.cfg.seed, batch_size=rl.prompts_per_step))
     start = 0
     latest = self.rl_ckpt.latest_step() if self.cfg.resume else None

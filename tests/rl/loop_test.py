@@ -35,18 +35,41 @@ def _pointers(tree):
   ]
 
 
-@pytest.fixture(scope="module")
-def run_with_spy(tmp_path_factory):
-  trainer = Trainer(_config(tmp_path_factory.mktemp("spy"), beta=0.05), log=lambda *_: None)
+@pytest.fixture(scope="module", params=["engine", "static"])
+def run_with_spy(request, tmp_path_factory):
+  cfg = _config(tmp_path_factory.mktemp("spy"), beta=0.05)
+  cfg = dataclasses.replace(
+    cfg,
+    rl=dataclasses.replace(
+      cfg.rl, rollout=dataclasses.replace(cfg.rl.rollout, sampler=request.param)
+    ),
+  )
+  trainer = Trainer(cfg, log=lambda *_: None)
   seen = []
-  sample = trainer.sample_fn
 
-  def spy(params, *args):
-    learner = trainer.state.params
-    seen.append((params is learner, _pointers(params), _pointers(learner)))
-    return sample(params, *args)
+  def record(params):
+    if trainer.state is not None:  # the RL phase (SFT keeps its state to itself)
+      learner = trainer.state.params
+      seen.append((params is learner, _pointers(params), _pointers(learner)))
 
-  trainer.sample_fn = spy
+  if request.param == "engine":
+    # Every decode step of the engine reads the params it is handed: spy on them there.
+    engine = trainer.group_sampler.engine
+    generate = engine.generate_steps
+
+    def spy(params, *args):
+      record(params)
+      return generate(params, *args)
+
+    engine.generate_steps = spy
+  else:
+    sample = trainer.sample_fn
+
+    def spy(params, *args):
+      record(params)
+      return sample(params, *args)
+
+    trainer.sample_fn = spy
   trainer.run()
   yield trainer, seen
   trainer.close()
@@ -54,7 +77,7 @@ def run_with_spy(tmp_path_factory):
 
 def test_sampler_receives_the_learners_own_arrays(run_with_spy):
   trainer, seen = run_with_spy
-  assert len(seen) == trainer.cfg.rl.steps
+  assert len(seen) >= trainer.cfg.rl.steps
   for same_object, sampler_ptrs, learner_ptrs in seen:
     assert same_object
     assert sampler_ptrs == learner_ptrs  # same device buffers: zero bytes copied
@@ -64,7 +87,10 @@ def test_steps_compile_once(run_with_spy):
   trainer, _ = run_with_spy
   assert trainer.rl_step._cache_size() == 1
   assert trainer.sft_step._cache_size() == 1
-  assert trainer.greedy_fn._cache_size() == 1
+  if trainer.cfg.rl.rollout.sampler == "engine":
+    assert trainer.group_sampler.engine.generate_compiles == 1
+  else:
+    assert trainer.greedy_fn._cache_size() == 1
 
 
 def test_run_writes_metrics_checkpoints_and_plot(run_with_spy):

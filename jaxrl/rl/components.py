@@ -1,0 +1,131 @@
+"""What a run is built from, by config: tokenizer, model (preset or HF dir), task, prompts."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from jaxrl.config import ConfigError, ModelSection, TaskConfig
+from jaxrl.data import word_problems
+from jaxrl.data.arithmetic import ArithmeticTask
+from jaxrl.data.jsonl import JsonlTask
+from jaxrl.mesh import Rules, shard_params
+from jaxrl.models.config import from_preset
+from jaxrl.models.hf import load_hf_checkpoint
+from jaxrl.models.transformer import make_model
+from jaxrl.tokenizer import load_tokenizer
+
+
+def build_tokenizer(model: ModelSection):
+  """model.tokenizer: 'byte', an HF tokenizer directory, or '' (model.path's, else bytes)."""
+  spec = model.tokenizer or model.path or "byte"
+  try:
+    return load_tokenizer(spec)
+  except (ValueError, OSError) as e:
+    field = "model.tokenizer" if model.tokenizer else "model.path"
+    raise ConfigError(f"config.{field}={spec!r}: {e}") from e
+
+
+def lora_options(model: ModelSection) -> dict:
+  """The ModelConfig LoRA fields of the config (empty without LoRA)."""
+  if not model.lora_rank:
+    return {}
+  targets = tuple(t.strip() for t in model.lora_targets.split(",") if t.strip())
+  return dict(lora_rank=model.lora_rank, lora_alpha=model.lora_alpha, lora_targets=targets)
+
+
+def build_model(model: ModelSection, tokenizer, mesh, rules: Rules, *, seed: int):
+  """(ModelConfig, graphdef, params placed on the mesh): an HF checkpoint read tensor by tensor
+  straight into its shardings (model.path), or a preset initialised from `seed`. With
+  model.lora_rank the model carries fresh adapters (B = 0: it starts equal to the base)."""
+  lora = lora_options(model)
+  if model.path:
+    if not (Path(model.path) / "config.json").is_file():
+      raise ConfigError(
+        f"config.model.path={model.path!r} is not an HF checkpoint directory (no config.json)"
+      )
+    # model.dtype sets weights and activations alike (a bf16 checkpoint trains in f32 on CPU).
+    try:
+      cfg, graphdef, params = load_hf_checkpoint(
+        model.path, mesh=mesh, rules=rules, dtype=model.dtype, lora=lora or None, lora_seed=seed
+      )
+    except ValueError as e:
+      raise ConfigError(f"config.model (path={model.path!r}): {e}") from e
+    if tokenizer.vocab_size > cfg.vocab_size:
+      raise ConfigError(
+        f"config.model.tokenizer has {tokenizer.vocab_size} ids, more than the checkpoint's "
+        f"vocab_size={cfg.vocab_size}"
+      )
+    return cfg, graphdef, params
+  overrides = dict(vocab_size=tokenizer.vocab_size, dtype=model.dtype, **lora)
+  if model.max_seq_len:
+    overrides["max_seq_len"] = model.max_seq_len
+  try:
+    cfg = from_preset(model.preset, **overrides)
+  except ValueError as e:
+    raise ConfigError(f"config.model.preset: {e}") from e
+  graphdef, params = make_model(cfg, seed=seed)
+  return cfg, graphdef, shard_params(params, mesh, rules)
+
+
+def build_task(task: TaskConfig, workdir: str | os.PathLike, *, seed: int):
+  """The prompt source: arithmetic (synthetic), jsonl (a local file, GSM8K layout by default) or
+  word_problems (GSM8K-format problems generated into workdir/data)."""
+  if task.name == "arithmetic":
+    return ArithmeticTask(
+      max_digits=task.max_digits,
+      ops=tuple(task.ops),
+      held_out_fraction=task.held_out_fraction,
+      allow_negative=task.allow_negative,
+      operand_dist=task.operand_dist,
+    )
+  if task.name == "word_problems":
+    data = Path(workdir) / "data"
+    data.mkdir(parents=True, exist_ok=True)
+    path = word_problems.write_jsonl(
+      data / f"word_problems_{seed}_{task.num_problems}.jsonl", task.num_problems, seed
+    )
+    return JsonlTask(path, held_out_fraction=task.held_out_fraction)
+  held_out_path = task.held_out_path or None
+  try:
+    return JsonlTask(
+      task.path,
+      held_out_path=held_out_path,
+      held_out_fraction=0.0 if held_out_path else task.held_out_fraction,
+      prompt_field=task.prompt_field,
+      answer_field=task.answer_field,
+      answer_format=task.answer_format,
+    )
+  except FileNotFoundError as e:
+    raise ConfigError(f"config.task.path / task.held_out_path: {e}") from e
+
+
+class PromptEncoder:
+  """record -> prompt token ids: `task.prompt_template` over the record's fields, then either
+  BOS + text or, with `task.chat`, the tokenizer's chat template (which writes its own BOS)."""
+
+  def __init__(self, task: TaskConfig, tokenizer):
+    self.template = task.prompt_template
+    self.chat = task.chat
+    self.system_prompt = task.system_prompt
+    self.tokenizer = tokenizer
+    if self.chat and not hasattr(tokenizer, "apply_chat_template"):
+      raise ConfigError("config.task.chat=True needs an HF tokenizer with a chat template")
+
+  def text(self, record) -> str:
+    try:
+      text = self.template.format(**record)
+    except (KeyError, IndexError, ValueError) as e:
+      raise ConfigError(
+        f"config.task.prompt_template={self.template!r} does not fit a record with fields "
+        f"{sorted(record)}: {e!r}"
+      ) from e
+    if not self.chat:
+      return text
+    messages = [{"role": "user", "content": text}]
+    if self.system_prompt:
+      messages.insert(0, {"role": "system", "content": self.system_prompt})
+    return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+
+  def __call__(self, record) -> list[int]:
+    return self.tokenizer.encode(self.text(record), add_bos=not self.chat)
