@@ -1,9 +1,11 @@
 """The RL loop: SFT warm-start, then GRPO with the sampler reading the learner's own arrays.
 
 One step: prompts (grain) -> sampler(params = the learner's param pytree) -> rewards -> group
-advantages -> TrainBatch -> train_step (jitted once, state donated). Checkpoints carry params,
-optimizer state, step, RNG and the data-iterator position, so a resumed run repeats an
-uninterrupted one bit for bit on CPU.
+advantages -> TrainBatch -> train_step (jitted once, state donated). The sampler is the
+continuous-batching engine (`rl.rollout.sampler="engine"`: one prefill per group, paged KV) or
+the v0 static sampler; the model, tokenizer and task come from `jaxrl.rl.components`.
+Checkpoints carry params, optimizer state, step, RNG and the data-iterator position, so a resumed
+run repeats an uninterrupted one bit for bit on CPU.
 """
 
 from __future__ import annotations
