@@ -5,7 +5,7 @@ Launch (installs into .venv on first use):
   bash launch/train.sh --config=configs/grpo_arith.py:smoke --config.rl.beta=0.0
   python -m launch.train --config=configs/grpo_arith.py --config.workdir=/tmp/arith
 
-Expected on a 2-core CPU (measured, docs/results.md): about 6.5 minutes end to end; held-out
+Expected on a 2-core CPU (measured, docs/results.md): about 7 minutes end to end; held-out
 greedy accuracy 0.00 at init, ~0.80 after the 900-step SFT warm-start, ~0.91 after 250 GRPO
 steps (seed 0 reproduces 0.797 -> 0.910 exactly). `:smoke` takes well under a minute and only
 checks that everything moves (its accuracy stays near 0).
@@ -57,7 +57,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     ppo_epochs=1,
     # The v0 static sampler: for 8-token prompts and 6-token answers one jitted prefill+decode
     # call beats the engine's per-group prefills (measured: the engine reaches the same 0.910
-    # but the job takes 13.8 min instead of 6.6; docs/results.md). The engine pays off with
+    # but the job takes 13.8 min instead of ~7; docs/results.md). The engine pays off with
     # long, ragged completions (configs/grpo_gsm8k.py; docs/benchmarks.md).
     rollout=dict(sampler="static", slots=0, page_size=16, num_pages=0, steps_per_call=8),
   )
