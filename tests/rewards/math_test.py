@@ -97,7 +97,6 @@ def test_batch_scoring_through_registry():
 
 
 def test_math_verify_reward_off_the_main_thread():
-  pytest.importorskip("math_verify")  # an optional dependency; setup.cfg installs it
   fn = rewards.get("math_verify")
   cases = [
     ("#### 72", "72", 1.0),
@@ -118,6 +117,5 @@ def test_math_verify_reward_off_the_main_thread():
 
 
 def test_math_verify_unparseable_reference_raises():
-  pytest.importorskip("math_verify")
   with pytest.raises(ValueError, match=r"math-verify cannot parse the record's answer ''"):
     rewards.get("math_verify")("#### 3", {"answer": ""})
