@@ -115,10 +115,25 @@ class RolloutConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class CriticConfig:
+  """PPO's value model, used when rl.advantage='gae' (jaxrl.rl.critic): a copy of the
+  warm-started policy's trunk with a scalar head, trained on the policy's mini-batches with the
+  clipped value loss."""
+
+  learning_rate: float = _field(1e-4, lo=0.0, lo_open=True)
+  warmup_steps: int = _field(0, lo=0, help="first RL steps that train only the critic")
+  value_clip: float = _field(0.2, lo=0.0, help="PPO2 value clipping range; 0 = plain squared error")
+  gamma: float = _field(1.0, lo=0.0, hi=1.0)
+  lam: float = _field(0.95, lo=0.0, hi=1.0)
+  whiten: bool = _field(True, help="normalise GAE advantages over the batch's loss tokens")
+  grad_clip: float = _field(1.0, lo=0.0)
+
+
+@dataclasses.dataclass(frozen=True)
 class RLConfig:
   steps: int = _field(100, lo=1)
   prompts_per_step: int = _field(16, lo=1)
-  group_size: int = _field(8, lo=2, help="GRPO needs >= 2 samples per prompt")
+  group_size: int = _field(8, lo=1, help="samples per prompt; group estimators need >= 2")
   max_prompt_len: int = _field(16, lo=1)
   max_new_tokens: int = _field(8, lo=1)
   temperature: float = _field(1.0, lo=0.0, lo_open=True)
@@ -132,6 +147,9 @@ class RLConfig:
   eps_high: float = _field(0.2, lo=0.0, lo_open=True)
   dual_clip_c: float = _field(3.0, lo=1.0, lo_open=True, help="policy_loss='dual_clip' only")
   beta: float = _field(0.0, lo=0.0)
+  kl_in_reward: bool = _field(
+    False, help="fold beta * KL into the reward (per token with gae) instead of the loss"
+  )
   kl_estimator: str = _field("k3", choices=("k1", "k2", "k3"))
   learning_rate: float = _field(1e-4, lo=0.0, lo_open=True)
   lr_schedule: str = _field("constant", choices=("constant", "cosine"))
@@ -158,6 +176,36 @@ class RLConfig:
   overlong: OverlongConfig = dataclasses.field(default_factory=OverlongConfig)
   dynamic_sampling: DynamicSamplingConfig = dataclasses.field(default_factory=DynamicSamplingConfig)
   rollout: RolloutConfig = dataclasses.field(default_factory=RolloutConfig)
+  critic: CriticConfig = dataclasses.field(default_factory=CriticConfig)
+
+
+@dataclasses.dataclass(frozen=True)
+class TeacherConfig:
+  """The distillation teacher: an HF checkpoint directory (any family jaxrl loads; export a jaxrl
+  run with `python -m launch.export`), or a preset initialised from `seed` (random weights: only
+  for pipeline checks such as the smoke configs). It must share the student's vocabulary."""
+
+  path: str = _field("", help="an HF checkpoint directory (config.json + safetensors)")
+  preset: str = _field("", help="without path: a jaxrl.models.config preset, random init")
+  seed: int = _field(0, lo=0)
+  dtype: str = _field("float32", choices=("float32", "bfloat16"))
+
+
+@dataclasses.dataclass(frozen=True)
+class DistillConfig:
+  """On-policy distillation (jaxrl.rl.distill): when enabled, the RL phase trains the student on
+  its own samples against the teacher's per-token log-probs instead of on rewards."""
+
+  enabled: bool = _field(False)
+  teacher: TeacherConfig = dataclasses.field(default_factory=TeacherConfig)
+  loss: str = _field("reverse_kl", choices=("reverse_kl", "forward_kl_topk", "mixed"))
+  alpha: float = _field(0.5, lo=0.0, hi=1.0, help="loss='mixed': weight of the reverse KL")
+  top_k: int = _field(16, lo=1, help="teacher top-k kept for the forward KL")
+  window: int = _field(0, lo=0, help="supervise only the first `window` completion tokens; 0 = all")
+  adaptive: bool = _field(False, help="ADWIN: adapt the window from gradient-alignment probes")
+  probe_every: int = _field(10, lo=1, help="adaptive: RL steps between probes")
+  align_low: float = _field(0.8, lo=-1.0, hi=1.0, help="adaptive: below this the window doubles")
+  align_high: float = _field(0.95, lo=-1.0, hi=1.0, help="adaptive: above this it halves")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -190,6 +238,7 @@ class Config:
   reward: RewardConfig = dataclasses.field(default_factory=RewardConfig)
   sft: SFTConfig = dataclasses.field(default_factory=SFTConfig)
   rl: RLConfig = dataclasses.field(default_factory=RLConfig)
+  distill: DistillConfig = dataclasses.field(default_factory=DistillConfig)
   eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
   checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
   log: LogConfig = dataclasses.field(default_factory=LogConfig)
@@ -259,10 +308,12 @@ def validate(cfg) -> Config:
   """Turn a ConfigDict (or dict) into a validated `Config`; raise `ConfigError` naming the field."""
   c = _convert(Config, _to_dict(cfg), "")
   # Names looked up in registries, so that newly registered functions are valid config values.
-  from jaxrl.rl.advantages import ESTIMATORS
+  from jaxrl.rl.advantages import ESTIMATORS, GROUPLESS
   from jaxrl.rl.losses import AGGREGATIONS, POLICY_LOSSES
+  from jaxrl.rl.value import TOKEN_ESTIMATORS
 
-  check(c.rl.advantage in ESTIMATORS.names(), "rl.advantage", c.rl.advantage, ESTIMATORS.names())
+  estimators = sorted(ESTIMATORS.names() + list(TOKEN_ESTIMATORS))
+  check(c.rl.advantage in estimators, "rl.advantage", c.rl.advantage, estimators)
   check(
     c.rl.policy_loss in POLICY_LOSSES.names(),
     "rl.policy_loss",
@@ -285,6 +336,59 @@ def validate(cfg) -> Config:
     IS_CORRECTIONS.names(),
   )
   # Cross-field checks.
+  grouped = c.rl.advantage not in GROUPLESS + TOKEN_ESTIMATORS and not c.distill.enabled
+  check(
+    c.rl.group_size >= 2 or not grouped,
+    "rl.group_size",
+    c.rl.group_size,
+    f">= 2 with the group estimator rl.advantage={c.rl.advantage!r} (a group of one has no "
+    f"baseline); group_size=1 works with {sorted(GROUPLESS + TOKEN_ESTIMATORS)}",
+  )
+  check(
+    c.rl.group_size >= 2 or not c.rl.dynamic_sampling.enabled,
+    "rl.group_size",
+    c.rl.group_size,
+    ">= 2 with rl.dynamic_sampling (it drops groups whose rewards all tie)",
+  )
+  d = c.distill
+  check(
+    not d.enabled or bool(d.teacher.path or d.teacher.preset),
+    "distill.teacher.path",
+    d.teacher.path,
+    "an HF checkpoint directory (or distill.teacher.preset) when distill.enabled",
+  )
+  check(
+    not d.adaptive or d.window > 0,
+    "distill.window",
+    d.window,
+    "> 0 (the starting window) with distill.adaptive",
+  )
+  check(
+    d.window <= c.rl.max_new_tokens,
+    "distill.window",
+    d.window,
+    f"0 (every token) to rl.max_new_tokens = {c.rl.max_new_tokens}",
+  )
+  if d.enabled:
+    # The teacher replaces the reward signal: the reward-side machinery would not be read.
+    check(
+      c.rl.beta == 0, "rl.beta", c.rl.beta, "0 with distill.enabled (the teacher is the target)"
+    )
+    check(
+      c.rl.advantage not in TOKEN_ESTIMATORS,
+      "rl.advantage",
+      c.rl.advantage,
+      "a group estimator (unused) with distill.enabled: no critic is trained",
+    )
+    for name in ("offpolicy", "is_correction"):
+      v = getattr(c.rl, name)
+      check(v == "none", f"rl.{name}", v, "'none' with distill.enabled")
+  check(
+    d.align_low < d.align_high,
+    "distill.align_high",
+    d.align_high,
+    f"> distill.align_low = {d.align_low}",
+  )
   check(
     c.rl.mis_low < c.rl.mis_high,
     "rl.mis_high",

@@ -10,6 +10,9 @@ def test_defaults_and_the_shipped_config_validate():
   assert isinstance(validate({}), Config)
   c = validate(grpo_arith.get_config(None))
   assert c.rl.group_size == 8 and c.task.operand_dist == "uniform"
+  # Estimators without a group accept one sample per prompt.
+  assert validate({"rl": {"group_size": 1, "advantage": "gae"}}).rl.group_size == 1
+  assert validate({"rl": {"group_size": 1, "advantage": "reinforce_pp"}}).rl.group_size == 1
   assert validate({"rl": {"beta": 1}}).rl.beta == 1.0  # an int is a fine float
 
 
@@ -22,7 +25,34 @@ def test_defaults_and_the_shipped_config_validate():
     ({"rl": {"steps": True}}, r"config\.rl\.steps must be int, got bool"),
     ({"rl": {"beta": float("nan")}}, r"config\.rl\.beta must be finite"),
     ({"rl": {"beta": -0.1}}, r"config\.rl\.beta=-0\.1 is out of range; must be >= 0"),
-    ({"rl": {"group_size": 1}}, r"config\.rl\.group_size=1 is out of range; must be >= 2"),
+    (
+      {"rl": {"group_size": 1}},
+      r"config\.rl\.group_size=1 is invalid; allowed: >= 2 with the group estimator "
+      r"rl\.advantage='grpo'.*works with \['gae', 'reinforce_pp'\]",
+    ),
+    (
+      {"rl": {"group_size": 1, "advantage": "rloo"}},
+      r"config\.rl\.group_size=1 is invalid; allowed: >= 2 with the group estimator",
+    ),
+    (
+      {"rl": {"group_size": 1, "advantage": "gae", "dynamic_sampling": {"enabled": True}}},
+      r"config\.rl\.group_size=1 is invalid; allowed: >= 2 with rl\.dynamic_sampling",
+    ),
+    ({"rl": {"group_size": 0}}, r"config\.rl\.group_size=0 is out of range; must be >= 1"),
+    ({"rl": {"critic": {"lam": 1.5}}}, r"config\.rl\.critic\.lam=1\.5 is out of range"),
+    ({"rl": {"critic": {"gamma": -0.1}}}, r"config\.rl\.critic\.gamma=-0\.1 is out of range"),
+    (
+      {"distill": {"enabled": True}},
+      r"config\.distill\.teacher\.path='' is invalid; allowed: an HF checkpoint directory",
+    ),
+    (
+      {"distill": {"adaptive": True}},
+      r"config\.distill\.window=0 is invalid; allowed: > 0 \(the starting window\)",
+    ),
+    (
+      {"distill": {"loss": "jsd"}},
+      r"config\.distill\.loss='jsd' is invalid; allowed: \['reverse_kl'",
+    ),
     ({"sft": {"batch_size": 0}}, r"config\.sft\.batch_size=0 is out of range; must be >= 1"),
     ({"rl": {"temperature": 0.0}}, r"config\.rl\.temperature=0\.0 is out of range; must be > 0"),
     ({"rl": {"top_p": 1.5}}, r"config\.rl\.top_p=1\.5 is out of range; must be <= 1"),

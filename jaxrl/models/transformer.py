@@ -39,12 +39,15 @@ class Transformer(nnx.Module):
     cache: KVCache | None = None,
     cache_index=0,
     logits_at: jax.Array | None = None,
+    return_hidden: bool = False,
   ) -> tuple[jax.Array, KVCache | None]:
     """tokens, positions: [B, T]; kv_valid: [B, S] marks real (non-pad) keys.
 
     Without a cache S = T. With one, this call's keys land at [cache_index, cache_index + T).
     `logits_at` ([B] indices into T) computes logits at one position per row only.
-    Returns (logits [B, T, V] float32 — or [B, V] with logits_at — , new cache).
+    Returns (logits [B, T, V] float32 — or [B, V] with logits_at — , new cache);
+    with `return_hidden` the final-normed hidden states [B, T, D] instead of logits (a value
+    head reads them: jaxrl.rl.critic).
     """
     x = self.embed[...].astype(self.cfg.compute_dtype)[tokens]  # [B, T, D]
     if self.cfg.scale_embeddings:
@@ -58,6 +61,8 @@ class Transformer(nnx.Module):
     if logits_at is not None:
       x = jnp.take_along_axis(x, logits_at[:, None, None], axis=1)[:, 0]  # [B, D]
     x = self.final_norm(x)
+    if return_hidden:
+      return x, (tuple(new_cache) if cache is not None else None)
     if self.head is None:
       logits = jnp.einsum("...D,VD->...V", x, self.embed[...].astype(x.dtype))
     else:

@@ -10,6 +10,8 @@ import jax.numpy as jnp
 from jaxrl.rl.registry import Registry
 
 ESTIMATORS = Registry("advantage estimator")
+# Estimators that need no group (work with group_size = 1); every other one baselines within it.
+GROUPLESS = ("reinforce_pp",)
 
 # Every estimator is called as fn(rewards [num_groups, G], mask=None, **options) and returns
 # [num_groups, G] float32 with zeros at masked entries. Callers pass one common set of options

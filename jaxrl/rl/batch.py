@@ -23,6 +23,8 @@ class TrainBatch(NamedTuple):
   # Optional (None: absent; a None field is an empty pytree node, so splitting still works):
   prox_logprobs: jax.Array | None = None  # float32 learner log-probs at the start of the update
   learner_version: jax.Array | None = None  # int32 [B]: the version the learner holds (for lag)
+  values: jax.Array | None = None  # float32 critic values V(s_t) at rollout time (PPO, gae)
+  returns: jax.Array | None = None  # float32 GAE returns, the critic's regression targets
 
   def lag(self) -> jax.Array:
     """[B, T] float32 versions each loss token is behind the learner (0 without learner_version)."""

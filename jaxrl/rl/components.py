@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from jaxrl.config import ConfigError, ModelSection, TaskConfig
+from jaxrl.config import ConfigError, ModelSection, TaskConfig, TeacherConfig
 from jaxrl.data import word_problems
 from jaxrl.data.arithmetic import ArithmeticTask
 from jaxrl.data.jsonl import JsonlTask
@@ -66,6 +66,40 @@ def build_model(model: ModelSection, tokenizer, mesh, rules: Rules, *, seed: int
     raise ConfigError(f"config.model.preset: {e}") from e
   graphdef, params = make_model(cfg, seed=seed)
   return cfg, graphdef, shard_params(params, mesh, rules)
+
+
+def build_teacher(teacher: TeacherConfig, student_cfg, mesh, rules: Rules):
+  """(ModelConfig, graphdef, params) of the distillation teacher on the student's mesh: an HF
+  checkpoint of any supported family (teacher.path), or a preset initialised from teacher.seed.
+
+  The teacher must speak the student's tokenizer: its vocabulary may only be larger (HF
+  checkpoints pad it), and the losses read its first student-vocab logits.
+  """
+  if teacher.path:
+    if not (Path(teacher.path) / "config.json").is_file():
+      raise ConfigError(
+        f"config.distill.teacher.path={teacher.path!r} is not an HF checkpoint directory "
+        "(no config.json)"
+      )
+    try:
+      cfg, graphdef, params = load_hf_checkpoint(
+        teacher.path, mesh=mesh, rules=rules, dtype=teacher.dtype
+      )
+    except ValueError as e:
+      raise ConfigError(f"config.distill.teacher (path={teacher.path!r}): {e}") from e
+  else:
+    try:
+      cfg = from_preset(teacher.preset, vocab_size=student_cfg.vocab_size, dtype=teacher.dtype)
+    except ValueError as e:
+      raise ConfigError(f"config.distill.teacher.preset: {e}") from e
+    graphdef, params = make_model(cfg, seed=teacher.seed)
+    params = shard_params(params, mesh, rules)
+  if cfg.vocab_size < student_cfg.vocab_size:
+    raise ConfigError(
+      f"config.distill.teacher has vocab_size={cfg.vocab_size}, smaller than the student's "
+      f"{student_cfg.vocab_size}: teacher and student must share a tokenizer"
+    )
+  return cfg, graphdef, params
 
 
 def build_task(task: TaskConfig, workdir: str | os.PathLike, *, seed: int):

@@ -41,16 +41,22 @@ class DistillBatch(NamedTuple):
     return self.tokens.shape[0]
 
 
-def _logp_all(graphdef, params, tokens, valid, temperature: float):
-  """log softmax of the predictive distribution for every column: [B, T, V] (column 0 unused)."""
+def _logp_all(graphdef, params, tokens, valid, temperature: float, vocab_size=None):
+  """log softmax of the predictive distribution for every column: [B, T, V] (column 0 unused).
+  vocab_size keeps the first V logits (a teacher whose checkpoint pads its vocabulary)."""
   logits, _ = apply(graphdef, params, tokens, positions_from_mask(valid), valid)
+  if vocab_size is not None:
+    logits = logits[..., :vocab_size]
   logp = jax.nn.log_softmax(logits[:, :-1] / temperature, axis=-1)
   return jnp.pad(logp, ((0, 0), (1, 0), (0, 0)))
 
 
-def teacher_scores(graphdef, params, tokens, valid, *, top_k: int, temperature: float = 1.0):
-  """Teacher log-probs of the sampled tokens [B, T] and its top-k ids / log-probs [B, T, K]."""
-  logp = _logp_all(graphdef, params, tokens, valid, temperature)
+def teacher_scores(
+  graphdef, params, tokens, valid, *, top_k: int, temperature: float = 1.0, vocab_size=None
+):
+  """Teacher log-probs of the sampled tokens [B, T] and its top-k ids / log-probs [B, T, K],
+  over the first `vocab_size` ids (the student's vocabulary; None: all)."""
+  logp = _logp_all(graphdef, params, tokens, valid, temperature, vocab_size)
   sampled = jnp.take_along_axis(logp, tokens[..., None], axis=-1)[..., 0]
   # Column j predicts tokens[:, j]: it is scored by the distribution computed at j - 1, which
   # `_logp_all` already shifted into column j.
@@ -136,6 +142,18 @@ def grad_alignment(g_prefix, g_full) -> jax.Array:
   a = jnp.concatenate([x.astype(jnp.float32).ravel() for x in jax.tree.leaves(g_prefix)])
   b = jnp.concatenate([x.astype(jnp.float32).ravel() for x in jax.tree.leaves(g_full)])
   return jnp.vdot(a, b) / jnp.maximum(jnp.linalg.norm(a) * jnp.linalg.norm(b), 1e-30)
+
+
+def prefix_alignment(loss: DistillLoss, params, batch: DistillBatch, window) -> jax.Array:
+  """ADWIN's probe: the cosine between the gradient of `loss` on each row's first `window`
+  loss tokens and on the whole rollout (batch.loss_mask), each normalised by its own
+  denominator. `window` may be traced, so one compiled probe serves every window."""
+
+  def grad_on(mask):
+    b = batch._replace(loss_mask=mask)
+    return jax.grad(lambda p: loss(p, b)[0] / jnp.maximum(loss.denominator(b), 1.0))(params)
+
+  return grad_alignment(grad_on(prefix_window(batch.loss_mask, window)), grad_on(batch.loss_mask))
 
 
 @dataclasses.dataclass

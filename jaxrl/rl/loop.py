@@ -32,9 +32,13 @@ from jaxrl.rl import components
 from jaxrl.rl import offpolicy as offpolicy_lib
 from jaxrl.rl.advantages import ESTIMATORS
 from jaxrl.rl.allocation import fill_groups, informative_groups
+from jaxrl.rl.critic import Critic
+from jaxrl.rl.kl import kl_estimate
 from jaxrl.rl.objectives import GRPOLoss, SFTLoss
 from jaxrl.rl.shaping import overlong_penalty, truncation_keep
+from jaxrl.rl.teacher import Teacher
 from jaxrl.rl.train_step import init_state, make_optimizer, make_train_step
+from jaxrl.rl.value import TOKEN_ESTIMATORS
 from jaxrl.rollout.collect import GroupSampler
 from jaxrl.rollout.sampler import left_pad, make_sampler, row_keys
 from jaxrl.rollout.sampling import SamplingParams
@@ -126,7 +130,7 @@ class Trainer:
       policy_loss=rl.policy_loss,
       eps_low=rl.eps_low,
       eps_high=rl.eps_high,
-      beta=rl.beta,
+      beta=0.0 if rl.kl_in_reward else rl.beta,  # folded into the reward instead
       kl_estimator=rl.kl_estimator,
       aggregation=rl.loss_aggregation,
       clip_c=rl.dual_clip_c,
@@ -140,6 +144,19 @@ class Trainer:
       m2po_tau=rl.m2po_tau,
       sat_tail=rl.sat_tail,
     )
+    # On-policy distillation (config.distill): the teacher's scores replace the reward signal.
+    self.teacher = None
+    if cfg.distill.enabled:
+      self.teacher = Teacher(
+        cfg.distill,
+        self.model_cfg,
+        self.graphdef,
+        mesh=self.mesh,
+        rules=self.rules,
+        sampling=self.sampling,
+        aggregation=rl.loss_aggregation,
+        max_new_tokens=rl.max_new_tokens,
+      )
     # With LoRA only the adapters train (optimizer state for them only); the base is frozen.
     self.trainable = "lora" if self.model_cfg.lora_rank else None
     self.sft_step = make_train_step(
@@ -149,9 +166,25 @@ class Trainer:
       trainable=self.trainable,
     )
     self.rl_step = make_train_step(
-      self.rl_opt, self.grpo_loss, num_microbatches=rl.num_microbatches, trainable=self.trainable
+      self.rl_opt,
+      self.teacher.loss if self.teacher else self.grpo_loss,
+      num_microbatches=rl.num_microbatches,
+      trainable=self.trainable,
     )
-    self.advantage_fn = ESTIMATORS.get(rl.advantage)
+    # PPO (rl.advantage='gae'): a critic on the same mesh, trained on the same mini-batches.
+    self.critic = None
+    if rl.advantage in TOKEN_ESTIMATORS:
+      self.critic = Critic(
+        self.model_cfg,
+        rl.critic,
+        total_updates=rl.steps * rl.num_minibatches * rl.ppo_epochs,
+        mesh=self.mesh,
+        rules=self.rules,
+      )
+      self.advantage_fn = None
+    else:
+      self.advantage_fn = ESTIMATORS.get(rl.advantage)
+    self.critic_state = None
     ck = cfg.checkpoint
     self.sft_ckpt = Checkpointer(
       self.workdir / "checkpoints" / "sft", max_to_keep=ck.max_to_keep, save_every=ck.every
@@ -383,8 +416,6 @@ class Trainer:
       stats["rl/overlong_penalty"] = float(penalty.mean())
     if rl.overlong.mask_truncated:
       row_weight *= truncation_keep(host.truncated)
-    grouped = shaped.reshape(-1, g)
-    adv = np.asarray(self.advantage_fn(grouped, scale_by_std=rl.scale_by_std)).reshape(-1)
     ref = None
     if rl.beta > 0:
       full = jnp.concatenate([rollout.prompt_tokens, rollout.tokens], axis=1)
@@ -393,17 +424,39 @@ class Trainer:
       if self.trainable:
         ref_params = without_adapter(self.state.params)
       ref = self.ref_logprobs_fn(ref_params, full, valid)
-    batch = batch_lib.from_rollout(rollout, adv, version=step, ref_logprobs=ref)
+    batch = batch_lib.from_rollout(rollout, np.zeros(r.shape), version=step, ref_logprobs=ref)
     if ds.enabled or rl.overlong.mask_truncated:
-      w = jnp.asarray(row_weight)[:, None]
-      batch = batch._replace(loss_mask=batch.loss_mask * w, advantages=batch.advantages * w)
+      batch = batch._replace(loss_mask=batch.loss_mask * jnp.asarray(row_weight)[:, None])
+    kl_tok = None
+    if rl.beta > 0 and rl.kl_in_reward:
+      # The penalty reads the behaviour log-probs, so it is a reward: fixed for the whole update.
+      kl = kl_estimate(batch.old_logprobs, batch.ref_logprobs, rl.kl_estimator)
+      kl_tok = kl * batch.loss_mask
+      stats["rl/kl_in_reward"] = float(jnp.sum(kl_tok) / jnp.maximum(jnp.sum(batch.loss_mask), 1))
+    if self.teacher:
+      # The teacher's scores replace rewards (still computed above, as a metric).
+      batch, adv_stats = self.teacher.score(batch, self._shard_batch((batch.tokens, batch.valid)))
+    elif self.critic is not None:
+      # PPO: the task reward on each completion's last token (minus beta * KL per token with
+      # rl.kl_in_reward), the critic's values of the rollout, GAE.
+      sharded = self._shard_batch((batch.tokens, batch.valid))
+      batch, adv_stats = self.critic.advantages(
+        self.critic_state.params, batch, sharded, shaped, kl_tok, beta=rl.beta
+      )
+    else:
+      if kl_tok is not None:
+        shaped = shaped - rl.beta * np.asarray(jnp.sum(kl_tok, axis=1))
+      grouped = shaped.reshape(-1, g)
+      adv = np.asarray(self.advantage_fn(grouped, scale_by_std=rl.scale_by_std)).reshape(-1)
+      batch = batch._replace(advantages=jnp.asarray(adv, jnp.float32)[:, None] * batch.loss_mask)
+      adv_stats = {"rl/adv_mean": float(adv.mean()), "rl/adv_std": float(adv.std())}
+      if g > 1:
+        adv_stats["rl/zero_adv_groups"] = float(np.mean(np.all(grouped == grouped[:, :1], axis=1)))
     stats = {
       "rl/reward_mean": float(r.mean()),
       "rl/reward_std": float(r.std()),
       "rl/reward_errors": float(n_err),
-      "rl/adv_mean": float(adv.mean()),
-      "rl/adv_std": float(adv.std()),
-      "rl/zero_adv_groups": float(np.mean(np.all(grouped == grouped[:, :1], axis=1))),
+      **adv_stats,
       "rl/response_length": float(host.lengths.mean()),
       "rl/truncated_frac": float(host.truncated.mean()),
       **stats,
@@ -414,6 +467,9 @@ class Trainer:
 
   def run_rl(self, until: int | None = None) -> None:
     rl = self.cfg.rl
+    if self.critic is not None:
+      # Before the policy state: its first step donates the buffers sft_params points to.
+      self.critic_state = self.critic.init(self.model_cfg, self.sft_params)
     self.state = init_state(self.sft_params, self.rl_opt, trainable=self.trainable)
     if rl.beta > 0:
       # Frozen; the learner moves on. With LoRA the reference is the base without the adapter,
@@ -424,8 +480,13 @@ class Trainer:
     latest = self.rl_ckpt.latest_step() if self.cfg.resume else None
     if latest is not None:
       target = {"train": self._state_target(self.state), "rng": jax.random.key_data(self.base_key)}
+      if self.critic is not None:
+        target["critic"] = self._state_target(self.critic_state)
       restored, meta = self.rl_ckpt.restore(latest, target)
       self.state = restored["train"]
+      self.critic_state = restored.get("critic")
+      if self.teacher:
+        self.teacher.load_state_dict(meta["distill"])
       it.set_state(meta["data"])
       start = latest
       self.summary.update(meta.get("summary", {}))
@@ -459,8 +520,14 @@ class Trainer:
     Every update reads the same behaviour log-probs, so later updates are off-policy by the
     earlier ones and the clip acts. Metrics are averaged over updates, except the
     sampler-vs-learner log-prob gap, taken from the first update (before the policy moved).
+    With a critic it takes a step on every mini-batch too; during its warm-up (the first
+    rl.critic.warmup_steps RL steps) only the critic trains.
     """
     rl = self.cfg.rl
+    train_policy = self.critic is None or step >= rl.critic.warmup_steps
+    window_stats = {}
+    if self.teacher:
+      batch, window_stats = self.teacher.window(step, self.state.params, batch, self._shard_batch)
     n = batch.size
     size = n // rl.num_minibatches
     batch, ratio_metrics = self._with_prox(step, batch)
@@ -472,13 +539,20 @@ class Trainer:
         order = np.random.default_rng([self.cfg.seed, step, epoch]).permutation(n)
       for i in range(rl.num_minibatches):
         idx = order[i * size : (i + 1) * size]
-        mb = jax.tree.map(lambda x, idx=idx: x[idx], batch)
-        self.state, m = self.rl_step(self.state, self._shard_batch(mb))
+        mb = self._shard_batch(jax.tree.map(lambda x, idx=idx: x[idx], batch))
+        m = {}
+        if self.critic is not None:
+          self.critic_state, m = self.critic.step(self.critic_state, mb)
+        if train_policy:
+          self.state, pm = self.rl_step(self.state, mb)
+          m = {**m, **pm}
         history.append(m)
     history = jax.device_get(history)
     out = {k: float(np.mean([h[k] for h in history])) for k in history[0]}
-    out["rl/logprob_gap"] = float(history[0]["rl/logprob_gap"])
-    out["rl/updates"] = float(len(history))
+    if train_policy and "rl/logprob_gap" in history[0]:
+      out["rl/logprob_gap"] = float(history[0]["rl/logprob_gap"])
+    out.update(window_stats)
+    out["rl/updates"] = float(len(history) if train_policy else 0)
     out.update({k: float(v) for k, v in jax.device_get(ratio_metrics).items()})
     return out
 
@@ -507,8 +581,39 @@ class Trainer:
 
   def _save_rl(self, step: int, it, *, force: bool) -> None:
     state = {"train": self.state, "rng": jax.random.key_data(self.base_key)}
+    if self.critic is not None:
+      state["critic"] = self.critic_state
     meta = {"data": it.get_state(), "phase": "rl", "summary": dict(self.summary)}
+    if self.teacher:
+      meta["distill"] = self.teacher.state_dict()
     self.rl_ckpt.save(step, state, meta, force=force)
+
+  def restore_params(self, phase: str = "latest") -> tuple[str, int, object]:
+    """(phase, step, params) of the newest checkpoint of `phase`: 'rl', 'sft' or 'latest' (RL
+    if the run has any, else SFT), restored into this run's shardings (for export, eval)."""
+    ckpts = {"rl": self.rl_ckpt, "sft": self.sft_ckpt}
+    if phase not in (*ckpts, "latest"):
+      raise ValueError(f"phase={phase!r} is invalid; allowed: 'rl', 'sft', 'latest'")
+    steps = {name: ck.latest_step() for name, ck in ckpts.items()}
+    if phase == "latest":
+      phase = "rl" if steps["rl"] is not None else "sft"
+    if steps[phase] is None:
+      found = ", ".join(f"{name} (step {s})" for name, s in steps.items() if s is not None)
+      raise FileNotFoundError(
+        f"no {phase} checkpoint in {self.workdir / 'checkpoints'}; "
+        f"checkpointed phases: {found or 'none'}"
+      )
+    # The optimizer state is part of the saved item, so the target needs it even to read params.
+    opt = self.rl_opt if phase == "rl" else self.sft_opt
+    state = init_state(self.init_params, opt, trainable=self.trainable)
+    target = {"train": self._state_target(state)}
+    if phase == "rl":
+      target["rng"] = jax.random.key_data(self.base_key)
+      if self.critic is not None:
+        critic = self.critic.init(self.model_cfg, self.init_params)
+        target["critic"] = self._state_target(critic)
+    restored, _ = ckpts[phase].restore(steps[phase], target)
+    return phase, steps[phase], restored["train"].params
 
   # --------------------------------------------------------------------------------------- run
 
