@@ -83,7 +83,14 @@ class Critic:
   """
 
   def __init__(
-    self, policy_cfg: ModelConfig, cfg: CriticConfig, *, total_updates: int, mesh, rules
+    self,
+    policy_cfg: ModelConfig,
+    cfg: CriticConfig,
+    *,
+    total_updates: int,
+    mesh,
+    rules,
+    num_microbatches: int = 1,
   ):
     self.model_cfg = value_config(policy_cfg)
     self.mesh, self.rules = mesh, rules
@@ -97,7 +104,12 @@ class Critic:
       grad_clip=cfg.grad_clip,
       schedule="constant",
     )
-    self.step = make_train_step(self.optimizer, ValueLoss(self.graphdef, clip=cfg.value_clip))
+    # Micro-batched like the policy's step (rl.num_microbatches): same activation memory.
+    self.step = make_train_step(
+      self.optimizer,
+      ValueLoss(self.graphdef, clip=cfg.value_clip),
+      num_microbatches=num_microbatches,
+    )
     self.cfg = cfg
     graphdef = self.graphdef
     self.values = jax.jit(lambda p, t, v: nnx.merge(graphdef, p)(t, v))

@@ -178,6 +178,7 @@ class Trainer:
         self.model_cfg,
         rl.critic,
         total_updates=rl.steps * rl.num_minibatches * rl.ppo_epochs,
+        num_microbatches=rl.num_microbatches,
         mesh=self.mesh,
         rules=self.rules,
       )
@@ -486,7 +487,7 @@ class Trainer:
       self.state = restored["train"]
       self.critic_state = restored.get("critic")
       if self.teacher:
-        self.teacher.load_state_dict(meta["distill"])
+        self.teacher.load_state_dict(meta.get("distill", {}))
       it.set_state(meta["data"])
       start = latest
       self.summary.update(meta.get("summary", {}))

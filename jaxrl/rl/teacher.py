@@ -98,5 +98,7 @@ class Teacher:
     return {} if self.controller is None else {"window": self.controller.window}
 
   def load_state_dict(self, state: dict) -> None:
-    if self.controller is not None:
+    # A checkpoint written without ADWIN (or before distillation was enabled) keeps the
+    # configured starting window.
+    if self.controller is not None and state:
       self.controller.load_state_dict(state)

@@ -273,3 +273,19 @@ def test_value_loss_gradient_matches_finite_differences(setup, clip):
   h = 1e-3
   assert abs(directional) > 1e-3
   np.testing.assert_allclose((at(h) - at(-h)) / (2 * h), directional, rtol=1e-2)
+
+
+def test_micro_batched_critic_step_equals_one_batch(setup):
+  critic, _, params = setup
+  mesh, rules = make_mesh(1, -1, 1), get_rules("fsdp_tp")
+  cfg = CriticConfig(learning_rate=3e-3)
+  micro = Critic(CFG, cfg, total_updates=10, mesh=mesh, rules=rules, num_microbatches=2)
+  toks, valid = _tokens(b=4, t=8, seed=6)
+  mask = np.zeros((4, 8), np.float32)
+  mask[:, 5:] = 1
+  returns = np.random.default_rng(7).normal(size=(4, 8)).astype(np.float32) * mask
+  batch = _value_batch(*(jnp.asarray(x) for x in (returns * 0.5, returns, mask)), toks, valid)
+  one, _ = critic.step(critic.init(CFG, params), batch)
+  two, _ = micro.step(micro.init(CFG, params), batch)
+  for a, b in zip(jax.tree.leaves(one.params), jax.tree.leaves(two.params), strict=True):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
