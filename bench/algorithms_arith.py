@@ -224,6 +224,21 @@ def environment() -> dict:
   }
 
 
+def replot(files: list[Path], out_png: Path) -> dict:
+  """One plot and table over the runs of several result files (e.g. a config run later from the
+  same warm-start); refuses files whose warm-starts differ."""
+  results = [json.loads(f.read_text()) for f in files]
+  starts = {(r["seed"], r["variant"], r["warm_start"]["accuracy_after_sft"]) for r in results}
+  if len(starts) != 1:
+    raise SystemExit(f"--replot: the files come from different warm-starts: {sorted(starts)}")
+  runs = [run for r in results for run in r["runs"]]
+  seed, variant, _ = starts.pop()
+  plot(runs, out_png, f"{variant or 'full'}, seed {seed}")
+  print(f"plot: {out_png}\n")
+  print(markdown_table(runs))
+  return {"runs": runs, "plot": str(out_png)}
+
+
 def main(argv=None) -> dict:
   ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
   known = available_configs()
@@ -243,7 +258,15 @@ def main(argv=None) -> dict:
     default=REPO / "runs" / "algorithms",
     help="holds the shared warm-start and one workdir per config (replaced on each run)",
   )
+  ap.add_argument(
+    "--replot",
+    default="",
+    help="comma-separated result JSONs of earlier invocations (same seed and warm-start): "
+    "plot all their runs together into --plot, print one table, run nothing",
+  )
   args = ap.parse_args(argv)
+  if args.replot:
+    return replot([Path(f) for f in args.replot.split(",") if f], args.plot)
   names = [n.strip() for n in args.configs.split(",") if n.strip()]
   bad = [n for n in names if not (CONFIG_DIR / f"{n}.py").exists()]
   if bad or not names:
