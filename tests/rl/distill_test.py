@@ -161,3 +161,37 @@ def test_bad_loss_name_lists_the_valid_ones():
     DistillLoss(None, loss="jsd")
   with pytest.raises(ValueError, match="alpha"):
     DistillLoss(None, alpha=1.5)
+
+
+@pytest.mark.parametrize("mode", ["reverse_kl", "forward_kl_topk", "mixed"])
+def test_distill_loss_gradient_matches_finite_differences(mode):
+  """d/dt L(params + t u) at t = 0 by central differences equals <grad L, u> (h, rtol as in
+  objectives_test). The reverse-KL surrogate's weight sg(log pi_s - log pi_t) is held at the
+  unperturbed params, as autodiff treats it: the finite difference runs on a batch whose
+  teacher log-probs are shifted so that the weight is that constant."""
+  cfg = ModelConfig.tiny(vocab_size=31)
+  g, student = make_model(cfg, seed=1)
+  _, teacher = make_model(cfg, seed=2)
+  tokens, valid, loss_mask = _data(cfg, b=4)
+  score = jax.jit(lambda p: token_logprobs(g, p, tokens, valid))
+  batch = _batch(g, teacher, tokens, valid, loss_mask, score(student), k=8)
+  loss = DistillLoss(g, loss=mode, alpha=0.3)
+  den = loss.denominator(batch)
+  grads = jax.jit(jax.grad(lambda p: loss(p, batch)[0] / den))(student)
+  rng = np.random.default_rng(5)
+  leaves, treedef = jax.tree.flatten(student)
+  u = [rng.normal(size=x.shape).astype(np.float32) * np.sqrt(np.mean(np.square(x))) for x in leaves]
+  directional = sum(
+    float(np.vdot(np.asarray(gr), v)) for gr, v in zip(jax.tree.leaves(grads), u, strict=True)
+  )
+  k1_frozen = score(student) - batch.teacher_logprobs
+
+  def at(t):
+    p = treedef.unflatten([x + t * v for x, v in zip(leaves, u, strict=True)])
+    # teacher' = logp(p) - k1_frozen keeps sg(logp - teacher') = k1_frozen at every t.
+    b = batch._replace(teacher_logprobs=score(p) - k1_frozen)
+    return float(jax.jit(lambda q: loss(q, b)[0] / den)(p))
+
+  h = 1e-3
+  assert abs(directional) > 1e-3
+  np.testing.assert_allclose((at(h) - at(-h)) / (2 * h), directional, rtol=1e-2)
