@@ -19,7 +19,6 @@ import argparse
 import dataclasses
 import datetime
 import importlib.metadata
-import importlib.util
 import json
 import os
 import platform
@@ -37,7 +36,7 @@ from absl import logging as absl_logging  # noqa: E402
 from matplotlib.backends.backend_agg import FigureCanvasAgg  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 
-from jaxrl.config import Config, ConfigError, validate  # noqa: E402
+from jaxrl.config import Config, ConfigError, config_module, validate  # noqa: E402
 from jaxrl.metrics import read_jsonl  # noqa: E402
 from jaxrl.rl.loop import Trainer  # noqa: E402
 
@@ -60,11 +59,7 @@ def available_configs() -> list[str]:
 
 def load_config(name: str, variant: str, *, seed: int, rl_steps: int | None, workdir: Path):
   """configs/<name>.py's `get_config(variant)` with the bench's overrides, validated."""
-  path = CONFIG_DIR / f"{name}.py"
-  spec = importlib.util.spec_from_file_location(name, path)
-  mod = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(mod)
-  c = mod.get_config(variant or None)
+  c = config_module(CONFIG_DIR / f"{name}.py").get_config(variant or None)
   c.seed = seed
   c.workdir = str(workdir)
   c.resume = True  # what lets a run restore the copied SFT checkpoint instead of training

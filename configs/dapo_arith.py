@@ -15,26 +15,17 @@ Expected on a 2-core CPU (measured, docs/results.md, seed 0): from grpo_arith's 
 that everything moves.
 """
 
-import importlib.util
 from pathlib import Path
 
 import ml_collections
 
-
-def _grpo_arith(arg):
-  """configs/grpo_arith.py's config, loaded by path (configs/ is not a package)."""
-  spec = importlib.util.spec_from_file_location(
-    "grpo_arith", Path(__file__).with_name("grpo_arith.py")
-  )
-  mod = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(mod)
-  return mod.get_config(arg)
+from jaxrl.config import config_module
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   if arg not in (None, "", "smoke"):
     raise ValueError(f"unknown config variant {arg!r}; valid: '' (full) or 'smoke'")
-  c = _grpo_arith(arg or None)
+  c = config_module(Path(__file__).with_name("grpo_arith.py")).get_config(arg or None)
   c.workdir = "runs/dapo_arith_smoke" if arg == "smoke" else "runs/dapo_arith"
   c.rl.eps_low = 0.2
   c.rl.eps_high = 0.28  # clip-higher

@@ -20,26 +20,17 @@ about 3 minutes of RL after the ~2-minute warm-start. `:smoke` distils from a ra
 initialised arith_small (a pipeline check only) in about a minute.
 """
 
-import importlib.util
 from pathlib import Path
 
 import ml_collections
 
-
-def _grpo_arith(arg):
-  """configs/grpo_arith.py's config, loaded by path (configs/ is not a package)."""
-  spec = importlib.util.spec_from_file_location(
-    "grpo_arith", Path(__file__).with_name("grpo_arith.py")
-  )
-  mod = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(mod)
-  return mod.get_config(arg)
+from jaxrl.config import config_module
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   if arg not in (None, "", "smoke"):
     raise ValueError(f"unknown config variant {arg!r}; valid: '' (full) or 'smoke'")
-  c = _grpo_arith(arg or None)
+  c = config_module(Path(__file__).with_name("grpo_arith.py")).get_config(arg or None)
   c.workdir = "runs/distill_arith_smoke" if arg == "smoke" else "runs/distill_arith"
   if arg != "smoke":
     c.rl.steps = 100

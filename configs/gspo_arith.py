@@ -14,26 +14,17 @@ after 250 RL steps (grpo_arith: 0.910). With one PPO epoch the sequence clip onl
 mini-batches. `:smoke` runs in well under a minute and only checks that everything moves.
 """
 
-import importlib.util
 from pathlib import Path
 
 import ml_collections
 
-
-def _grpo_arith(arg):
-  """configs/grpo_arith.py's config, loaded by path (configs/ is not a package)."""
-  spec = importlib.util.spec_from_file_location(
-    "grpo_arith", Path(__file__).with_name("grpo_arith.py")
-  )
-  mod = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(mod)
-  return mod.get_config(arg)
+from jaxrl.config import config_module
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   if arg not in (None, "", "smoke"):
     raise ValueError(f"unknown config variant {arg!r}; valid: '' (full) or 'smoke'")
-  c = _grpo_arith(arg or None)
+  c = config_module(Path(__file__).with_name("grpo_arith.py")).get_config(arg or None)
   c.workdir = "runs/gspo_arith_smoke" if arg == "smoke" else "runs/gspo_arith"
   c.rl.policy_loss = "gspo"
   c.rl.eps_low = 3e-4

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import math
+import os
 import types
 import typing
 from typing import Any
@@ -11,6 +13,16 @@ from typing import Any
 
 class ConfigError(ValueError):
   """A config value is missing, unknown, of the wrong type or out of range."""
+
+
+def config_module(path: str | os.PathLike) -> types.ModuleType:
+  """Import a configs/*.py file by path (configs/ is not a package): its `get_config(arg)` builds
+  the ConfigDict. Configs that extend another one load it this way."""
+  path = os.fspath(path)
+  spec = importlib.util.spec_from_file_location(os.path.splitext(os.path.basename(path))[0], path)
+  mod = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(mod)
+  return mod
 
 
 def check(cond: bool, field: str, value, allowed: str) -> None:

@@ -1,6 +1,5 @@
 """Every config in configs/ loads, validates and runs its `smoke` variant end to end."""
 
-import importlib.util
 import json
 from pathlib import Path
 
@@ -8,17 +7,14 @@ import jax
 import numpy as np
 import pytest
 
-from jaxrl.config import validate
+from jaxrl.config import config_module, validate
 from jaxrl.rl.loop import Trainer
 
 CONFIGS = sorted((Path(__file__).parent.parent / "configs").glob("*.py"))
 
 
 def _load(path: Path):
-  spec = importlib.util.spec_from_file_location(path.stem, path)
-  mod = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(mod)
-  return mod
+  return config_module(path)
 
 
 def test_there_are_configs():
