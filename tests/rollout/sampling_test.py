@@ -226,3 +226,22 @@ def test_sample_rows_equals_sample_tokens_per_row():
     np.testing.assert_allclose(float(logp[i]), float(lp[0]), atol=1e-6)
   greedy = [i for i, p in enumerate(params) if p.temperature == 0]
   np.testing.assert_array_equal(np.asarray(tokens)[greedy], logits[greedy].argmax(-1))
+
+
+@pytest.mark.parametrize(
+  "params",
+  [
+    # No row filters: the filter step (and its full-vocabulary sort) is skipped.
+    [SamplingParams(temperature=1.0), SamplingParams(temperature=0.5), SamplingParams(0.0)],
+    # One filtering row makes the whole batch take the filter path; the others are unchanged.
+    [SamplingParams(temperature=1.0), SamplingParams(temperature=0.5, top_p=0.5), SamplingParams()],
+  ],
+)
+def test_sample_rows_with_and_without_filtering_rows_equals_sample_tokens(params):
+  logits = (2.0 * np.random.default_rng(9).normal(size=(len(params), 37))).astype(np.float32)
+  keys = jax.random.split(jax.random.key(10), len(params))
+  tokens, logp = jax.jit(sample_rows)(jnp.asarray(logits), keys, RowSampling.stack(params))
+  for i, p in enumerate(params):
+    t, lp = sample_tokens(jnp.asarray(logits[i : i + 1]), keys[i : i + 1], p)
+    assert int(tokens[i]) == int(t[0]), (i, p)
+    np.testing.assert_allclose(float(logp[i]), float(lp[0]), atol=1e-6)
