@@ -569,10 +569,11 @@ class Engine:
     return st, ResultTokens(data)
 
   def generate_steps(self, params, decode_state: DecodeState, num_steps: int):
-    """`num_steps` decode steps in one jitted call (lax.scan): ResultTokens [num_steps, B, 5].
+    """Up to `num_steps` decode steps in one jitted call: ResultTokens [num_steps, B, 5].
 
     Slots that finish stop on the device (their `valid` turns False), so a slot never writes
-    past its pages, however many steps run.
+    past its pages, however many steps run; once none is active the call ends and the rows left
+    are all invalid. `stats["decode_steps"]` counts the steps dispatched, an upper bound.
     """
     decode_state = self._apply_releases(decode_state)
     self.stats["generate_calls"] += 1
@@ -583,7 +584,22 @@ class Engine:
   def _generate_fn(self, params, st: DecodeState, num_steps: int | None = None):
     if num_steps is None:
       return self._decode_step(params, st)
-    return jax.lax.scan(lambda c, _: self._decode_step(params, c), st, None, length=num_steps)
+    # Once no slot is active the call stops: the steps left are invalid rows, not forwards. The
+    # driver dispatches a call before it has read the previous one's results, so without this its
+    # last call of a run would be num_steps full forwards over finished slots.
+    b = st.tokens.shape[0]
+
+    def body(carry):
+      i, st, out = carry
+      st, data = self._decode_step(params, st)
+      return i + 1, st, jax.lax.dynamic_update_index_in_dim(out, data, i, 0)
+
+    out = jnp.zeros((num_steps, b, 5), jnp.int32)  # valid = 0 in every row not written
+    carry = (jnp.int32(0), st, out)
+    _, st, out = jax.lax.while_loop(
+      lambda c: (c[0] < num_steps) & jnp.any(c[1].active), body, carry
+    )
+    return st, out
 
   def _decode_step(self, params, st: DecodeState):
     b = st.tokens.shape[0]

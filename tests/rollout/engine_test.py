@@ -313,3 +313,35 @@ def test_paged_decoding_matches_no_cache_and_learner_per_family(family):
       want = learner[rid, len(prompt) : len(prompt) + n_new]
       np.testing.assert_allclose(got[rid][1], want, atol=1e-5, rtol=0, err_msg=str(rid))
   assert eng.generate_compiles == 1
+
+
+def test_generate_steps_stops_once_no_slot_is_active():
+  """A call of 10 steps whose only request needs 3 more tokens runs 3 forwards, not 10."""
+  cfg, graphdef, params = _model()
+  eng = Engine(
+    cfg, graphdef, max_concurrent_decodes=2, num_pages=20, page_size=4, max_prefill_length=8
+  )
+  forwards = []
+  decode_step = eng._decode_step
+
+  def counted(p, st):
+    jax.debug.callback(lambda: forwards.append(1))
+    return decode_step(p, st)
+
+  eng._decode_step = counted  # traced by the first generate_steps call below
+  runs = {}
+  for steps in (10, 3):
+    st = eng.init_decode_state()
+    prefix, _ = eng.prefill_prompt(params, PROMPTS[10], sampler=GREEDY, max_new_tokens=4)
+    st = eng.insert(prefix, st, 1)
+    forwards.clear()
+    st, res = eng.generate_steps(params, st, steps)
+    res = res.convert_to_numpy()
+    eng.free_resource(1)
+    assert len(forwards) == 3
+    d = res.get_result_at_slot(1)
+    assert d.valid[:3, 0].all() and not d.valid[3:].any()
+    assert not res.get_result_at_slot(0).valid.any()  # the idle slot
+    runs[steps] = d.tokens[:3, 0]
+  np.testing.assert_array_equal(runs[10], runs[3])
+  np.testing.assert_array_equal(runs[3], _reference_greedy(PROMPTS[10], 4)[1:])
