@@ -25,7 +25,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from jaxrl.rollout.engine import Engine, request_key
+from jaxrl.rollout.engine import Engine, request_keys
 from jaxrl.rollout.sampling import SamplingParams
 
 FINISH_REASONS = ("stop", "stop_string", "length", "abort")
@@ -193,7 +193,7 @@ class Driver:
           params,
           req.prompt,
           sampler=[r.sampling for r in group],
-          rng=np.stack([request_key(seed, r.request_id) for r in group]),
+          rng=request_keys(seed, [r.request_id for r in group]),
           num_samples=len(group),
           max_new_tokens=req.max_new_tokens,
           stop_token_ids=self._stop_ids(req),

@@ -34,9 +34,23 @@ MAX_STOP_TOKENS = 8  # stop-token ids per request checked on the device (EOS inc
 
 def request_key(seed: int, request_id: int) -> jax.Array:
   """The PRNG key data [2] uint32 of one request; token i draws with fold_in(key, i)."""
-  if not 0 <= request_id < 2**31:
-    raise ValueError(f"request_id must be in [0, 2**31), got {request_id}")
-  return jax.random.key_data(jax.random.fold_in(jax.random.key(seed), request_id))
+  return request_keys(seed, [request_id])[0]
+
+
+def request_keys(seed: int, request_ids) -> np.ndarray:
+  """`request_key` of many requests [n, 2] uint32 in one device call (eagerly, each fold_in is a
+  dispatch of its own: milliseconds per request on a CPU)."""
+  ids = np.asarray(request_ids, np.int64).reshape(-1)
+  bad = ids[(ids < 0) | (ids >= 2**31)]
+  if bad.size:
+    raise ValueError(f"request_id must be in [0, 2**31), got {int(bad[0])}")
+  return np.asarray(_request_keys(np.int64(seed), ids.astype(np.uint32)))
+
+
+@jax.jit
+def _request_keys(seed, ids):
+  base = jax.random.key(seed)
+  return jax.vmap(lambda i: jax.random.key_data(jax.random.fold_in(base, i)))(ids)
 
 
 class SlotData(NamedTuple):
@@ -195,7 +209,7 @@ class Engine:
     self.slot_pages: dict[int, list[int]] = {}
     self._released: set[int] = set()  # freed slots still active on the device
     self.stats = collections.Counter()
-    self._prefill_jit = jax.jit(self._prefill_fn, donate_argnums=1)
+    self._prefill_jit = jax.jit(self._prefill_fn, donate_argnums=1, static_argnames="capacity")
     self._insert_jit = jax.jit(self._insert_fn, donate_argnums=0)
     self._generate_jit = jax.jit(self._generate_fn, donate_argnums=1)
     self._generate_steps_jit = jax.jit(self._generate_fn, static_argnums=2, donate_argnums=1)
@@ -333,7 +347,7 @@ class Engine:
     keys = self._sample_keys(rng, num_samples, request_id)
     capacity = self._capacity(start + t)
     if existing_prefix is None:
-      cache = init_cache(self.cfg, 1, capacity)
+      cache = None  # zeros made inside the jitted prefill: eagerly, 2 L dispatches per prompt
     else:
       cache = existing_prefix.cache
       if cache[0][0].shape[1] < capacity:  # a later chunk: grow to the next capacity bucket
@@ -350,6 +364,7 @@ class Engine:
       rows,
       stop_ids,
       np.int32(max_new),
+      capacity=capacity,
     )
     self.stats["prefill_calls"] += 1
     self.stats["prefill_tokens"] += t
@@ -390,14 +405,18 @@ class Engine:
   def _sample_keys(self, rng, num_samples: int, request_id: int | None) -> np.ndarray:
     if rng is None:
       base = 0 if request_id is None else request_id
-      return np.stack([request_key(self.seed, base + j) for j in range(num_samples)])
+      return request_keys(self.seed, base + np.arange(num_samples))
     if jax.dtypes.issubdtype(rng.dtype, jax.dtypes.prng_key):
       rng = jax.random.key_data(rng)
     if rng.shape != (num_samples, 2):
       raise ValueError(f"rng has shape {rng.shape}; num_samples={num_samples} needs one key each")
     return rng
 
-  def _prefill_fn(self, params, cache, tokens, start, true_len, keys, rows, stop_ids, max_new):
+  def _prefill_fn(
+    self, params, cache, tokens, start, true_len, keys, rows, stop_ids, max_new, *, capacity
+  ):
+    if cache is None:
+      cache = init_cache(self.cfg, 1, capacity)
     s, t = cache[0][0].shape[1], tokens.shape[1]
     positions = start + jnp.arange(t, dtype=jnp.int32)[None]
     kv_valid = (jnp.arange(s) < start + true_len)[None]
