@@ -8,6 +8,9 @@ per row (EOS stopping is off everywhere). Compilation / warm-up calls are exclud
   .venv/bin/python bench/decode_throughput.py                      # full run, all peers
   .venv/bin/python bench/decode_throughput.py --quick              # sanity run
   .venv/bin/python bench/decode_throughput.py --models small --peers jaxrl,hf
+
+The `-int8` peers run the same samplers on W8A8 int8 weights (`jaxrl.quant.quantize_params`):
+different numerics, so their greedy agreement with the float32 peers is reported, not required.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ import jax.numpy as jnp  # noqa: E402
 from jaxrl.models.config import ModelConfig  # noqa: E402
 from jaxrl.models.hf import export_hf_checkpoint  # noqa: E402
 from jaxrl.models.transformer import make_model  # noqa: E402
+from jaxrl.quant import quantize_params  # noqa: E402
 
 TUNIX_PYTHON = BENCH_DIR / ".venv-tunix" / "bin" / "python"
 TUNIX_PEER = BENCH_DIR / "_tunix_peer.py"
@@ -49,6 +53,10 @@ PAD_ID = 0
 NO_EOS = -1
 SEED = 0
 ENGINE_PAGE_SIZE = 16
+INT8_NOTE = (
+  "W8A8 int8 (per-channel weights, per-token activations); not the same numerics as the float32 "
+  "peers"
+)
 
 
 def _qwen3_shaped(num_layers: int, embed_dim: int, heads: int, kv_heads: int, mlp: int):
@@ -184,6 +192,18 @@ def run_engine(w: Workload) -> PeerResult:
   return PeerResult(times, out, notes=notes)
 
 
+def _int8(run: Callable[[Workload], PeerResult]) -> Callable[[Workload], PeerResult]:
+  """`run` on int8 params: quantized once here (quantize-on-sync), outside every timed call."""
+
+  def run_int8(w: Workload) -> PeerResult:
+    params = jax.block_until_ready(jax.jit(quantize_params)(w.params))
+    r = run(dataclasses.replace(w, params=params))
+    return PeerResult(r.times_s, r.tokens, "; ".join(n for n in (INT8_NOTE, r.notes) if n))
+
+  run_int8.__doc__ = f"{run.__doc__.splitlines()[0]} With {INT8_NOTE}."
+  return run_int8
+
+
 def run_hf(w: Workload) -> PeerResult:
   """HF transformers `generate` on torch CPU: float32, eval mode, inference_mode, KV cache on."""
   import torch
@@ -252,10 +272,16 @@ def run_tunix(w: Workload) -> PeerResult:
 PEERS: dict[str, Callable[[Workload], PeerResult]] = {
   "jaxrl": run_jaxrl,
   "engine": run_engine,
+  "jaxrl-int8": _int8(run_jaxrl),
+  "engine-int8": _int8(run_engine),
   "hf": run_hf,
   "tunix": run_tunix,
 }
-JAXRL_RUNNERS = ("jaxrl", "engine")  # ratios are reported as (jaxrl runner tok/s) / (peer tok/s)
+JAXRL_RUNNERS = ("jaxrl", "engine", "jaxrl-int8", "engine-int8")  # ratios: runner tok/s / peer's
+# Greedy agreement is measured against the first of these that ran: never an int8 peer, whose
+# argmax may legitimately differ from the float32 model's.
+FLOAT_REFERENCES = ("jaxrl", "engine")
+INT8_PEERS = ("jaxrl-int8", "engine-int8")
 _VERSIONS: dict[str, str] = {}
 
 
@@ -395,11 +421,14 @@ def main(argv=None) -> dict:
           }
         )
         print(f"[{model}] {peer}: {tps:9.1f} tok/s (median {med:.3f} s of {args.reps})", flush=True)
-      # Greedy tokens of every peer against the first jaxrl runner: same weights, same argmax.
-      ref = next((p for p in JAXRL_RUNNERS if p in tokens), None)
+      # Greedy tokens of every peer against the first float32 jaxrl runner: same weights, same
+      # argmax. For int8 peers the agreement is only reported (different numerics).
+      ref = next((p for p in FLOAT_REFERENCES if p in tokens), None)
       for peer in peers:
         if ref is not None and peer != ref:
-          agreement[f"{model}/{ref}~{peer}"] = prefix_agreement(tokens[ref], tokens[peer])
+          a = prefix_agreement(tokens[ref], tokens[peer])
+          a["required"] = peer not in INT8_PEERS
+          agreement[f"{model}/{ref}~{peer}"] = a
 
   runners = [p for p in JAXRL_RUNNERS if p in peers]
   for r in results:
@@ -407,15 +436,16 @@ def main(argv=None) -> dict:
       mine = next(x for x in results if x["model"] == r["model"] and x["peer"] == runner)
       r[f"ratio_{runner}_over_peer"] = mine["tokens_per_s"] / r["tokens_per_s"]
 
-  heads = "".join(f"{runner + '/peer':>13}" for runner in runners)
-  print(f"\n{'model':8} {'peer':8} {'tok/s':>10} {'median s':>10}{heads}")
+  heads = "".join(f"{runner + '/peer':>18}" for runner in runners)
+  print(f"\n{'model':8} {'peer':12} {'tok/s':>10} {'median s':>10}{heads}")
   for r in results:
-    ratios = "".join(f"{r[f'ratio_{runner}_over_peer']:13.2f}" for runner in runners)
-    print(f"{r['model']:8} {r['peer']:8} {r['tokens_per_s']:10.1f} {r['median_s']:10.3f}{ratios}")
+    ratios = "".join(f"{r[f'ratio_{runner}_over_peer']:18.2f}" for runner in runners)
+    print(f"{r['model']:8} {r['peer']:12} {r['tokens_per_s']:10.1f} {r['median_s']:10.3f}{ratios}")
   for key, a in agreement.items():
     print(
       f"greedy agreement {key}: first {a['min_prefix']} tokens equal in every row "
       f"(mean {a['mean_prefix']:.1f}); {a['rows_identical']}/{a['rows']} rows identical"
+      + ("" if a["required"] else " (int8 vs float32: reported, not required)")
     )
 
   report = {
@@ -433,7 +463,7 @@ def main(argv=None) -> dict:
       "torch_threads": args.torch_threads,
       "engine_steps_per_call": args.engine_steps_per_call,
       "sampling": "greedy, EOS stopping off",
-      "dtype": "float32",
+      "dtype": "float32; -int8 peers: " + INT8_NOTE,
       "models": {m: dataclasses.asdict(MODELS[m]()) for m in models},
     },
     "results": results,

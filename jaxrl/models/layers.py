@@ -10,6 +10,7 @@ from flax import nnx
 
 from jaxrl.kernels.paged_attention import PagedKV, paged_attention, write_kv
 from jaxrl.models.config import ModelConfig, RopeScaling
+from jaxrl.quant import QArray, int8_einsum
 
 _NEG_INF = float(jnp.finfo(jnp.float32).min)
 
@@ -65,9 +66,15 @@ def project(eq: str, x: jax.Array, w: nnx.Param, adapter: LoRA | None = None) ->
 
   The adapter goes through the rank R bottleneck, (x A) B, so the merged weight W + A B is never
   built on the forward: that would cost a full weight's memory and FLOPs every step.
+  A `jaxrl.quant.QArray` weight (int8 rollouts) runs as a W8A8 int8 einsum; the adapter
+  stays float.
   """
   dt = x.dtype
-  y = jnp.einsum(eq, x, w[...].astype(dt))
+  value = w.get_value()
+  if isinstance(value, QArray):
+    y = int8_einsum(eq, x, value)
+  else:
+    y = jnp.einsum(eq, x, value.astype(dt))
   if adapter is None:
     return y
   ins, out = eq.split("->")
