@@ -124,6 +124,12 @@ class RolloutConfig:
   page_size: int = _field(16, lo=1)
   num_pages: int = _field(0, lo=0, help="KV page budget; 0 = enough for every slot")
   steps_per_call: int = _field(8, lo=1, help="decode steps per jitted engine call")
+  quantize: str = _field(
+    "none",
+    choices=("none", "int8"),
+    help="int8: sample from a W8A8 copy of the policy made at every step (jaxrl.quant); the "
+    "sampler-learner gap shows in rl/logprob_gap, rl.is_correction corrects it",
+  )
 
 
 @dataclasses.dataclass(frozen=True)

@@ -11,6 +11,7 @@ run repeats an uninterrupted one bit for bit on CPU.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import time
 from pathlib import Path
@@ -27,6 +28,7 @@ from jaxrl.mesh import get_rules, make_mesh, named_sharding
 from jaxrl.metrics import MetricsWriter, Progress, plot_curves
 from jaxrl.models.lora import without_adapter
 from jaxrl.models.transformer import token_logprobs
+from jaxrl.quant import quantize_params
 from jaxrl.rl import batch as batch_lib
 from jaxrl.rl import components
 from jaxrl.rl import offpolicy as offpolicy_lib
@@ -105,6 +107,11 @@ class Trainer:
       self.greedy_fn = make_sampler(
         self.graphdef, self.model_cfg, sampling=self.greedy, **sample_kw
       )
+    if ro.quantize != "none":
+      # Quantize-on-sync: a W8A8 copy of the learner's weights per step (a quarter of their
+      # bytes), so this mode gives up zero-copy colocation for int8 matmuls in the sampler.
+      self._quantize = jax.jit(functools.partial(quantize_params, mode=ro.quantize))
+    self._sampler_params = None  # (step, params the sampler reads at that step)
     self.ref_logprobs_fn = jax.jit(
       lambda p, t, v: token_logprobs(self.graphdef, p, t, v, temperature=rl.temperature)
     )
@@ -337,14 +344,24 @@ class Trainer:
       f"{self.summary['accuracy_after_sft']:.3f} after {cfg.steps} SFT steps"
     )
 
+  def rollout_params(self, step: int):
+    """What the sampler reads at `step`: the learner's own param pytree, or with
+    rl.rollout.quantize its quantized copy (made once per step, shared by every round)."""
+    if self.cfg.rl.rollout.quantize == "none":
+      return self.state.params
+    if self._sampler_params is None or self._sampler_params[0] != step:
+      self._sampler_params = (step, self._quantize(self.state.params))
+    return self._sampler_params[1]
+
   def _rollout_round(self, step: int, rnd: int, records):
     """Sample group_size completions per prompt with the learner's params and score them."""
     g = self.cfg.rl.group_size
     group_records = [r for r in records for _ in range(g)]
     if self.cfg.rl.rollout.sampler == "engine":
-      # The learner's own param pytree goes in: no copy, no sync. One prefill per group.
+      # The learner's own param pytree goes in (unless quantized): no copy, no sync. One
+      # prefill per group.
       rollout, engine_stats = self.group_sampler(
-        self.state.params,
+        self.rollout_params(step),
         self._encode(records),
         group_size=g,
         seed=self._seed(step, rnd),
@@ -359,8 +376,8 @@ class Trainer:
       if rnd:  # round 0 keeps the keys of a run without dynamic sampling
         key = jax.random.fold_in(key, rnd)
       keys = row_keys(key, np.arange(b))
-      # The learner's own param pytree goes in: no copy, no sync.
-      rollout = self.sample_fn(self.state.params, toks, mask, keys)
+      # The learner's own param pytree goes in (unless quantized): no copy, no sync.
+      rollout = self.sample_fn(self.rollout_params(step), toks, mask, keys)
       host = jax.device_get(rollout)
     texts = self._completions(host.tokens, host.lengths)
     r, n_err = rewards.compute_rewards(
