@@ -59,7 +59,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # call beats the engine's per-group prefills (measured: the engine reaches the same 0.910
     # but the job takes 13.8 min instead of ~7; docs/results.md). The engine pays off with
     # long, ragged completions (configs/grpo_gsm8k.py; docs/benchmarks.md).
-    rollout=dict(sampler="static", slots=0, page_size=16, num_pages=0, steps_per_call=8),
+    rollout=dict(
+      sampler="static", slots=0, page_size=16, num_pages=0, steps_per_call=8, quantize="none"
+    ),
   )
   c.eval = dict(every=10, num_examples=512, batch_size=256)
   c.checkpoint = dict(every=50, max_to_keep=2)
