@@ -337,7 +337,9 @@ def main(argv=None) -> dict:
   ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
   ap.add_argument("--models", default="small,medium", help=f"from {', '.join(MODELS)}")
   ap.add_argument(
-    "--peers", default="jaxrl,engine,jaxrl-int8,engine-int8,hf,tunix", help=f"from {', '.join(PEERS)}"
+    "--peers",
+    default="jaxrl,engine,jaxrl-int8,engine-int8,hf,tunix",
+    help=f"from {', '.join(PEERS)}",
   )
   ap.add_argument("--batch", type=int, default=16)
   ap.add_argument("--prompt-len", type=int, default=16)
