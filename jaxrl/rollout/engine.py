@@ -364,7 +364,7 @@ class Engine:
       rows,
       stop_ids,
       np.int32(max_new),
-      capacity=capacity,
+      capacity=capacity if cache is None else 0,  # a static arg: 0 when unused, so no recompile
     )
     self.stats["prefill_calls"] += 1
     self.stats["prefill_tokens"] += t

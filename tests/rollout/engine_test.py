@@ -345,3 +345,22 @@ def test_generate_steps_stops_once_no_slot_is_active():
     runs[steps] = d.tokens[:3, 0]
   np.testing.assert_array_equal(runs[10], runs[3])
   np.testing.assert_array_equal(runs[3], _reference_greedy(PROMPTS[10], 4)[1:])
+
+
+def test_chunked_prefill_compiles_once_for_all_chunks():
+  """Every chunk of a long prompt has the chunk's shape and the prompt's cache: one program."""
+  cfg, graphdef, params = _model()
+  eng = Engine(
+    cfg,
+    graphdef,
+    max_concurrent_decodes=2,
+    num_pages=40,
+    page_size=4,
+    max_prefill_length=20,
+    prefill_chunk_size=8,
+    max_target_length=S,
+  )
+  for prompt in (PROMPTS[14], PROMPTS[14][::-1]):  # 17 tokens: chunks at 0, 8 and 16
+    eng.prefill_prompt(params, prompt, sampler=GREEDY, max_new_tokens=4)
+  assert eng.stats["prefill_calls"] == 6
+  assert eng._prefill_jit._cache_size() == 1
