@@ -99,7 +99,7 @@ def right_padded(seqs) -> tuple[np.ndarray, np.ndarray]:
 
 
 @functools.partial(jax.jit, static_argnums=0)
-def _greedy_rows(graphdef, params, tokens, lengths, n):
+def greedy_rows(graphdef, params, tokens, lengths, n):
   """n argmax steps, each a full forward over the whole [B, S] row (no cache); the filler
   columns are in the causal future of every position read. Returns (tokens, min top-2 gap [B])."""
   b, s = tokens.shape
@@ -125,7 +125,7 @@ def greedy_reference(name: str, prompt_list, n: int) -> tuple[np.ndarray, float]
     raise ValueError(f"prompt + {n} tokens exceed REF_LEN={REF_LEN}")
   tokens, _ = right_padded(prompt_list)
   lengths = np.array([len(p) for p in prompt_list], np.int32)
-  out, gap = _greedy_rows(graphdef, params, tokens, lengths, np.int32(n))
+  out, gap = greedy_rows(graphdef, params, tokens, lengths, np.int32(n))
   out = np.asarray(out)
   completions = np.stack([out[b, k : k + n] for b, k in enumerate(lengths)])
   return completions, float(np.min(gap))

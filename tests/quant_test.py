@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from families import greedy_rows
 from flax import nnx
 
 from jaxrl.models import ModelConfig, Transformer
@@ -384,25 +385,6 @@ GREEDY = SamplingParams(temperature=0.0)
 REF_S = P + NEW  # one [B, S] shape for the no-cache reference
 
 
-@functools.partial(jax.jit, static_argnums=0)
-def _greedy_rows(graphdef, params, tokens, lengths):
-  """NEW argmax steps, each a full forward over whole unpadded rows (no cache). Returns
-  (tokens [B, S], the smallest top-1 vs top-2 logit gap [B])."""
-  b, s = tokens.shape
-  positions = jnp.broadcast_to(jnp.arange(s), (b, s))
-
-  def step(i, carry):
-    tokens, gap = carry
-    length = lengths + i
-    logits, _ = _apply(graphdef, params, tokens, positions, jnp.arange(s)[None] < length[:, None])
-    last = jnp.take_along_axis(logits, (length - 1)[:, None, None], axis=1)[:, 0]  # [B, V]
-    top2 = jax.lax.top_k(last, 2)[0]
-    tokens = tokens.at[jnp.arange(b), length].set(jnp.argmax(last, axis=-1).astype(tokens.dtype))
-    return tokens, jnp.minimum(gap, top2[:, 0] - top2[:, 1])
-
-  return jax.lax.fori_loop(0, NEW, step, (tokens, jnp.full((b,), jnp.inf)))
-
-
 @functools.cache
 def _int8_reference():
   """(completions [B, NEW], learner logprobs of them [B, NEW]) under the quantized params."""
@@ -411,7 +393,7 @@ def _int8_reference():
   for i, p in enumerate(PROMPTS):
     tokens[i, : len(p)] = p
   lengths = np.array([len(p) for p in PROMPTS], np.int32)
-  out, gap = _greedy_rows(graphdef, qparams, tokens, lengths)
+  out, gap = greedy_rows(graphdef, qparams, tokens, lengths, np.int32(NEW))
   assert float(jnp.min(gap)) > 1e-3, "argmax too close to a tie to compare two code paths"
   out = np.asarray(out)
   valid = np.arange(REF_S)[None] < (lengths + NEW)[:, None]
