@@ -16,6 +16,7 @@ from jaxrl.models.transformer import apply as _apply
 from jaxrl.models.transformer import token_logprobs as _token_logprobs
 from jaxrl.quant import (
   QArray,
+  Quantizer,
   dequantize,
   int8_einsum,
   quantize_activations,
@@ -220,6 +221,29 @@ def test_quantize_params_replaces_exactly_the_dense_projections():
       np.testing.assert_array_equal(
         np.asarray(other[path].get_value().values), np.asarray(after[path].get_value().values)
       )
+
+
+def test_quantizer_passes_unquantized_leaves_through_without_copying():
+  # The loop's sync: only projection weights are recomputed; the embedding, head and norms are
+  # the learner's own arrays (zero bytes copied), and the QArrays equal quantize_params'.
+  _, params, qparams = _model()
+  quantize = Quantizer()
+  before, after, want = _flat(params), _flat(quantize(params)), _flat(qparams)
+  assert list(after) == list(before)
+  shared = 0
+  for path, v in after.items():
+    if isinstance(want[path].get_value(), QArray):
+      for a, b in zip(v.get_value(), want[path].get_value(), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    else:
+      assert v.get_value() is before[path].get_value(), path
+      shared += 1
+  assert shared == len(before) - CFG.num_layers * len(PROJECTIONS) > 0
+  # A second sync reuses the one compiled quantizer.
+  quantize(params)
+  assert len(quantize._jitted) == 1
+  with pytest.raises(ValueError, match="allowed modes"):
+    Quantizer("fp4")
 
 
 def test_quantize_params_rejects_unknown_mode():
