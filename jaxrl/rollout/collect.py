@@ -13,6 +13,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from jaxrl.mesh import Rules
 from jaxrl.models.config import ModelConfig
 from jaxrl.rollout.driver import Completion, Driver, Request
 from jaxrl.rollout.engine import Engine
@@ -69,6 +70,7 @@ class GroupSampler:
     steps_per_call: int = 8,
     tokenizer=None,
     mesh=None,
+    rules: Rules | str = "fsdp_tp",
   ):
     self.prompt_len, self.max_new_tokens, self.pad_id = prompt_len, max_new_tokens, pad_id
     self.sampling = sampling
@@ -86,6 +88,7 @@ class GroupSampler:
       max_target_length=prompt_len + max_new_tokens,
       tokenizer=tokenizer,
       mesh=mesh,
+      rules=rules,
     )
     self.driver = Driver(self.engine, steps_per_call=steps_per_call, eos_id=eos_ids[0])
 

@@ -6,6 +6,11 @@ pool; `generate` is one jitted decode step over all `max_concurrent_decodes` slo
 same forward with a `PagedKV` cache, on a donated `DecodeState`. Host bookkeeping (which pages a
 slot holds) lives in the engine; everything on the device is in the explicit state pytree.
 
+On a mesh the decode state and the prefill caches are made on it with fixed shardings (KV split
+over kv heads by the rules, the per-slot vectors replicated), and every jitted call returns them
+with those same shardings: the state it hands back is the state it was compiled for, so each
+program compiles once however many runs reuse the engine.
+
 Sampling keys are fold_in(fold_in(key(seed), request_id), token_index), so a request draws the
 same tokens whatever slot it lands in and whatever else is in the batch.
 """
@@ -14,6 +19,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -21,8 +27,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jaxrl.kernels.paged_attention import PagedKV, write_kv
+from jaxrl.mesh import Rules, named_sharding
 from jaxrl.models.config import ModelConfig
 from jaxrl.models.transformer import apply, init_cache, make_model
 from jaxrl.rollout.kv_cache import OutOfPages, PageAllocator, init_pages, pages_for, table_row
@@ -152,6 +161,8 @@ class Engine:
       default the model's max_seq_len.
     tokenizer: returned by `get_tokenizer` (the driver detokenises with it for stop strings).
     seed: default seed of request keys when `prefill` is called without `rng`.
+    mesh, rules: where the params live (the learner's mesh) and its logical-axis rules, which
+      place the KV pages and caches; None: the default device, as plain jnp arrays.
   """
 
   def __init__(
@@ -168,6 +179,7 @@ class Engine:
     tokenizer=None,
     seed: int = 0,
     mesh: jax.sharding.Mesh | None = None,
+    rules: Rules | str = "fsdp_tp",
   ):
     for name, value in (
       ("max_concurrent_decodes", max_concurrent_decodes),
@@ -209,13 +221,51 @@ class Engine:
     self.slot_pages: dict[int, list[int]] = {}
     self._released: set[int] = set()  # freed slots still active on the device
     self.stats = collections.Counter()
-    self._prefill_jit = jax.jit(self._prefill_fn, donate_argnums=1, static_argnames="capacity")
-    self._insert_jit = jax.jit(self._insert_fn, donate_argnums=0)
-    self._generate_jit = jax.jit(self._generate_fn, donate_argnums=1)
-    self._generate_steps_jit = jax.jit(self._generate_fn, static_argnums=2, donate_argnums=1)
-    self._deactivate_jit = jax.jit(
-      lambda st, mask: st._replace(active=st.active & ~mask), donate_argnums=0
+    self.kv_sharding, self.state_shardings = self._shardings(rules)
+    # Every output pinned to the sharding its input has (the prefill's cache to the one the
+    # insert reads): left to GSPMD, a state made elsewhere comes back differently sharded and the
+    # next call recompiles. Off the mesh nothing is pinned, as before.
+    kv, st = self.kv_sharding, self.state_shardings
+    rep = None if mesh is None else NamedSharding(mesh, P())
+
+    def pin(out):
+      return {} if mesh is None else {"out_shardings": out}
+
+    self._prefill_jit = jax.jit(
+      self._prefill_fn,
+      donate_argnums=1,
+      static_argnames="capacity",
+      **pin((kv, rep, rep, rep)),
     )
+    self._insert_jit = jax.jit(self._insert_fn, donate_argnums=0, **pin(st))
+    self._generate_jit = jax.jit(self._generate_fn, donate_argnums=1, **pin((st, rep)))
+    self._generate_steps_jit = jax.jit(
+      self._generate_fn, static_argnums=2, donate_argnums=1, **pin((st, rep))
+    )
+    self._deactivate_jit = jax.jit(
+      lambda st, mask: st._replace(active=st.active & ~mask), donate_argnums=0, **pin(st)
+    )
+    # On a mesh the zeros are made by jitted calls, already split: a pool is never whole on one
+    # device. Off it they stay eager jnp arrays, as before.
+    self._zero_state = self._zero_state_fn
+    self._zero_cache = functools.partial(init_cache, cfg, 1)
+    if mesh is not None:
+      self._zero_state = jax.jit(self._zero_state, out_shardings=st)
+      self._zero_cache = jax.jit(self._zero_cache, static_argnums=0, out_shardings=kv)
+
+  def _shardings(self, rules: Rules | str):
+    """(kv_sharding, state_shardings): the KV pages [P, page_size, K, H] and the prefill caches
+    [1, S, K, H] split over kv heads as the rules place them (replicated where K does not
+    divide), and a DecodeState prefix tree with the per-slot vectors replicated: they are tiny,
+    and slots index a pool every device holds. (None, None) off a mesh."""
+    if self._mesh is None:
+      return None, None
+    shape = (self.num_pages, self.page_size, self.cfg.num_kv_heads, self.cfg.head_dim)
+    kv = named_sharding(
+      self._mesh, (None, None, "act_kv_heads", "act_head_dim"), rules, shape=shape
+    )
+    rep = DecodeState(*[NamedSharding(self._mesh, P())] * len(DecodeState._fields))
+    return kv, rep._replace(k_pages=kv, v_pages=kv)
 
   # --- properties of the JetStream contract -------------------------------------------------
   @property
@@ -353,6 +403,8 @@ class Engine:
       if cache[0][0].shape[1] < capacity:  # a later chunk: grow to the next capacity bucket
         pad = ((0, 0), (0, capacity - cache[0][0].shape[1]), (0, 0), (0, 0))
         cache = tuple((jnp.pad(k, pad), jnp.pad(v, pad)) for k, v in cache)
+      if self._mesh is not None:  # a no-op for a cache already so placed (every one made here)
+        cache = jax.device_put(cache, self.kv_sharding)
     rows = RowSampling.stack(samplers)
     cache, first, logp, data = self._prefill_jit(
       params,
@@ -394,7 +446,7 @@ class Engine:
 
   def _empty_prefix(self, capacity: int) -> Prefix:
     none = np.zeros(0)
-    return Prefix(init_cache(self.cfg, 1, capacity), 0, none, none, none, None, 0, none)
+    return Prefix(self._zero_cache(capacity), 0, none, none, none, None, 0, none)
 
   def _capacity(self, n: int) -> int:
     """Prefix cache length: the prompt bucket, or whole chunks in a power-of-two count."""
@@ -442,6 +494,9 @@ class Engine:
     self.allocator = PageAllocator(self.num_pages)
     self.slot_pages.clear()
     self._released.clear()
+    return self._zero_state()
+
+  def _zero_state_fn(self) -> DecodeState:
     b, m = self._slots, self.max_pages_per_seq
     k_pages, v_pages = init_pages(self.cfg, self.num_pages, self.page_size)
     return DecodeState(

@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxrl.mesh import make_mesh, shard_params
 from jaxrl.models import ModelConfig, Transformer
 from jaxrl.rollout.collect import GroupSampler
 from jaxrl.rollout.sampler import left_pad, make_sampler, row_keys
@@ -31,7 +32,7 @@ def _model():
   return cfg, graphdef, jax.tree_util.tree_map_with_path(draw, abstract)
 
 
-def _group_sampler(slots, sampling):
+def _group_sampler(slots, sampling, mesh=None):
   cfg, graphdef, _ = _model()
   return GroupSampler(
     cfg,
@@ -44,6 +45,7 @@ def _group_sampler(slots, sampling):
     max_concurrent_decodes=slots,
     page_size=4,
     steps_per_call=3,
+    mesh=mesh,
   )
 
 
@@ -87,3 +89,34 @@ def test_sampled_rollout_does_not_depend_on_slot_count():
   assert not np.array_equal(wide.tokens[0], wide.tokens[1])
   ends_in_eos = wide.tokens[np.arange(12), np.maximum(wide.lengths - 1, 0)] == EOS
   np.testing.assert_array_equal(ends_in_eos, ~wide.truncated)
+
+
+def test_mesh_placed_params_compile_once_per_shape_across_rounds():
+  """Params sharded as the RL loop places them (fsdp x tensor over the 8 test devices): the
+  decode state is born on the mesh with the shardings every call returns, so three rounds add
+  no program after the first, and they sample exactly what the engine off the mesh does."""
+  _, _, params = _model()
+  mesh = make_mesh(fsdp=4, tensor=2)
+  sharded = shard_params(params, mesh, "fsdp_tp")
+  sampling = SamplingParams(temperature=1.0)
+  # 5 slots for 9 samples: groups queue, so freed slots are refilled mid-run.
+  ref, _ = _group_sampler(5, sampling)(params, PROMPTS, group_size=3, seed=3)
+  sampler = _group_sampler(5, sampling, mesh=mesh)
+  eng = sampler.engine
+  sizes = []
+  for _ in range(3):
+    out, stats = sampler(sharded, PROMPTS, group_size=3, seed=3)
+    assert stats["queued_waits"] > 0
+    for name in ("prompt_tokens", "tokens", "mask", "lengths", "truncated"):
+      np.testing.assert_array_equal(getattr(out, name), getattr(ref, name), err_msg=name)
+    np.testing.assert_allclose(out.logprobs, ref.logprobs, atol=1e-5, rtol=0)
+    sizes.append((eng._prefill_jit._cache_size(), eng._insert_jit._cache_size()))
+  assert eng.generate_compiles == 1
+  assert sizes == [sizes[0]] * 3, sizes
+  cfg = eng.cfg
+  for st in (sampler.driver._state, eng.init_decode_state()):
+    for x in st.k_pages + st.v_pages:  # [P, page_size, K, H], K split over tensor
+      assert x.sharding.mesh == mesh
+      assert x.sharding.shard_shape(x.shape) == (*x.shape[:2], cfg.num_kv_heads // 2, x.shape[3])
+    for x in jax.tree.leaves(st[2:]):  # per-slot vectors: replicated on the mesh
+      assert x.sharding.mesh == mesh and x.sharding.is_fully_replicated

@@ -1,5 +1,5 @@
 """Engine tests: greedy vs a no-cache reference, learner log-probs, slot/batch invariance, group
-prefix sharing, chunked prefill, page accounting and compile counts."""
+prefix sharing, chunked prefill, page accounting and compile counts (off and on a mesh)."""
 
 import functools
 
@@ -18,6 +18,7 @@ from families import (
 )
 from flax import nnx
 
+from jaxrl.mesh import make_mesh, shard_params
 from jaxrl.models import ModelConfig, Transformer
 from jaxrl.models.transformer import apply as _apply
 from jaxrl.models.transformer import token_logprobs as _token_logprobs
@@ -364,3 +365,40 @@ def test_chunked_prefill_compiles_once_for_all_chunks():
     eng.prefill_prompt(params, prompt, sampler=GREEDY, max_new_tokens=4)
   assert eng.stats["prefill_calls"] == 6
   assert eng._prefill_jit._cache_size() == 1
+
+
+def test_mesh_placed_params_compile_once_across_runs_with_fresh_states():
+  """Params sharded over the 8 test devices: every run's fresh decode state and every chunked
+  prompt's empty cache are born with the shardings the jitted calls return, so a decode step
+  compiles once (even when it meets a fresh state first) and prefill / insert add no program
+  after the first run; the tokens are those of the same engine off the mesh."""
+  cfg, graphdef, params = _model()
+  mesh = make_mesh(fsdp=4, tensor=2)
+  sharded = shard_params(params, mesh, "fsdp_tp")
+  eng = Engine(
+    cfg,
+    graphdef,
+    max_concurrent_decodes=3,
+    num_pages=40,
+    page_size=4,
+    max_prefill_length=20,
+    prefill_chunk_size=8,
+    max_target_length=S,
+    mesh=mesh,
+  )
+  schedule, n_new = [(10, 0), (11, 1), (12, 2), (13, 0), (14, 1)], 6  # 11 and 14 are chunked
+  want = _run(_engine(), schedule, n_new, SAMPLED, seed=3)
+  sizes = []
+  for _ in range(3):
+    eng.generate_steps(sharded, eng.init_decode_state(), 3)  # an idle step on a fresh state
+    got = _run(eng, schedule, n_new, SAMPLED, seed=3, params=sharded)
+    for rid, (tokens, logp) in want.items():
+      np.testing.assert_array_equal(got[rid][0], tokens, err_msg=str(rid))
+      np.testing.assert_allclose(got[rid][1], logp, atol=1e-5, rtol=0, err_msg=str(rid))
+    sizes.append((eng._prefill_jit._cache_size(), eng._insert_jit._cache_size()))
+  assert eng.generate_compiles == 1
+  assert sizes == [sizes[0]] * 3, sizes
+  prefix, _ = eng.prefill_prompt(sharded, PROMPTS[14], sampler=GREEDY, max_new_tokens=4)
+  for x in jax.tree.leaves(prefix.cache):  # [1, S, K, H], K split over tensor
+    assert x.sharding.mesh == mesh
+    assert x.sharding.shard_shape(x.shape) == (*x.shape[:2], cfg.num_kv_heads // 2, x.shape[3])
