@@ -89,6 +89,8 @@ class SFTConfig:
   learning_rate: float = _field(1e-3, lo=0.0, lo_open=True)
   warmup_steps: int = _field(20, lo=0)
   weight_decay: float = _field(0.0, lo=0.0)
+  b2: float = _field(0.999, lo=0.0, hi=1.0, lo_open=True, help="Adam's second-moment decay")
+  grad_clip: float = _field(1.0, lo=0.0, help="global-norm clip before Adam; 0 = off")
   num_microbatches: int = _field(1, lo=1)
   operand_dist: str = _field(
     "by_digits",

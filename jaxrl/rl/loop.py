@@ -11,7 +11,6 @@ run repeats an uninterrupted one bit for bit on CPU.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import time
 from pathlib import Path
@@ -28,7 +27,7 @@ from jaxrl.mesh import get_rules, make_mesh, named_sharding
 from jaxrl.metrics import MetricsWriter, Progress, plot_curves
 from jaxrl.models.lora import without_adapter
 from jaxrl.models.transformer import token_logprobs
-from jaxrl.quant import quantize_params
+from jaxrl.quant import Quantizer
 from jaxrl.rl import batch as batch_lib
 from jaxrl.rl import components
 from jaxrl.rl import offpolicy as offpolicy_lib
@@ -92,6 +91,7 @@ class Trainer:
         steps_per_call=ro.steps_per_call,
         tokenizer=tok,
         mesh=self.mesh,
+        rules=self.rules,
       )
     else:
       # The v0 static sampler: one jitted prefill + decode loop; stops on tok.eos_id only.
@@ -108,9 +108,9 @@ class Trainer:
         self.graphdef, self.model_cfg, sampling=self.greedy, **sample_kw
       )
     if ro.quantize != "none":
-      # Quantize-on-sync: a W8A8 copy of the learner's weights per step (a quarter of their
-      # bytes), so this mode gives up zero-copy colocation for int8 matmuls in the sampler.
-      self._quantize = jax.jit(functools.partial(quantize_params, mode=ro.quantize))
+      # Quantize-on-sync: int8 copies of the projection weights per step (a quarter of their
+      # float32 bytes); every other leaf is the learner's own array, as without quantization.
+      self._quantize = Quantizer(ro.quantize)
     self._sampler_params = None  # (step, params the sampler reads at that step)
     self.ref_logprobs_fn = jax.jit(
       lambda p, t, v: token_logprobs(self.graphdef, p, t, v, temperature=rl.temperature)
@@ -120,6 +120,8 @@ class Trainer:
       warmup_steps=cfg.sft.warmup_steps,
       total_steps=cfg.sft.steps,
       weight_decay=cfg.sft.weight_decay,
+      b2=cfg.sft.b2,
+      grad_clip=cfg.sft.grad_clip,
       schedule="cosine",
     )
     self.rl_opt = make_optimizer(
