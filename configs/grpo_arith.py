@@ -26,10 +26,13 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
                 allow_negative=False, operand_dist="uniform")  # fmt: skip
   c.reward = dict(name="exact_match", on_error="raise")
 
-  c.sft = dict(steps=900, batch_size=64, learning_rate=3e-3, warmup_steps=20, weight_decay=0.0,
-               num_microbatches=1, operand_dist="by_digits")  # fmt: skip
+  # The warm-start has to get past the phase where the model learns carries, on every seed: at
+  # lr 3e-3 x 64 x 900 it ends on that slope (0.15-0.83 held-out over seeds and CPU types,
+  # loss spikes); at lr 1e-3, b2 0.99 and twice the problems per step it ends past it.
+  c.sft = dict(steps=1000, batch_size=128, learning_rate=1e-3, warmup_steps=20, weight_decay=0.0,
+               b2=0.99, num_microbatches=1, operand_dist="by_digits")  # fmt: skip
   c.rl = dict(
-    steps=250,
+    steps=200,
     prompts_per_step=64,
     group_size=8,
     max_prompt_len=8,  # BOS + "99+99=" + 1 spare
