@@ -309,10 +309,9 @@ class Engine:
     return params if params is not None else make_model(self.cfg, seed)[1]
 
   def get_prefix_destination_sharding(self):
-    """Prefixes stay on the device they were computed on (one mesh: replicated)."""
-    if self._mesh is None:
-      return None
-    return jax.sharding.NamedSharding(self._mesh, jax.sharding.PartitionSpec())
+    """Where a prefix's KV cache lives: the engine's kv sharding on its mesh (prefill and insert
+    share one mesh, so nothing moves); None off a mesh."""
+    return self.kv_sharding
 
   # --- prefill ------------------------------------------------------------------------------
   def prefill_bucket(self, length: int) -> int:
