@@ -38,8 +38,12 @@ class TrainBatch(NamedTuple):
     return self.tokens.shape[0]
 
 
-def from_rollout(rollout, advantages, *, version: int, ref_logprobs=None) -> TrainBatch:
-  """Join a Rollout's prompt and completion columns; broadcast per-sequence advantages [B]."""
+def from_rollout(rollout, advantages, *, ref_logprobs=None) -> TrainBatch:
+  """Join a Rollout's prompt and completion columns; broadcast per-sequence advantages [B].
+
+  Each completion token keeps the policy version that sampled it (`Rollout.versions`), so a
+  sequence continued across updates carries its own staleness per token.
+  """
   tokens = jnp.concatenate([rollout.prompt_tokens, rollout.tokens], axis=1)
   valid = jnp.concatenate([rollout.prompt_mask, rollout.mask], axis=1)
   b, p = rollout.prompt_tokens.shape
@@ -47,7 +51,8 @@ def from_rollout(rollout, advantages, *, version: int, ref_logprobs=None) -> Tra
   old = jnp.concatenate([jnp.zeros((b, p), jnp.float32), rollout.logprobs], axis=1)
   adv = jnp.asarray(advantages, jnp.float32)[:, None] * loss_mask
   ref = jnp.zeros_like(old) if ref_logprobs is None else ref_logprobs * loss_mask
-  versions = jnp.where(loss_mask > 0, version, -1).astype(jnp.int32)
+  versions = jnp.concatenate([jnp.full((b, p), -1, jnp.int32), rollout.versions], axis=1)
+  versions = jnp.where(loss_mask > 0, versions, -1).astype(jnp.int32)
   return TrainBatch(tokens, valid, loss_mask, adv, old, ref, versions)
 
 

@@ -379,7 +379,7 @@ class Trainer:
         key = jax.random.fold_in(key, rnd)
       keys = row_keys(key, np.arange(b))
       # The learner's own param pytree goes in (unless quantized): no copy, no sync.
-      rollout = self.sample_fn(self.rollout_params(step), toks, mask, keys)
+      rollout = self.sample_fn(self.rollout_params(step), toks, mask, keys, step)
       host = jax.device_get(rollout)
     texts = self._completions(host.tokens, host.lengths)
     r, n_err = rewards.compute_rewards(
@@ -444,7 +444,7 @@ class Trainer:
       if self.trainable:
         ref_params = without_adapter(self.state.params)
       ref = self.ref_logprobs_fn(ref_params, full, valid)
-    batch = batch_lib.from_rollout(rollout, np.zeros(r.shape), version=step, ref_logprobs=ref)
+    batch = batch_lib.from_rollout(rollout, np.zeros(r.shape), ref_logprobs=ref)
     if ds.enabled or rl.overlong.mask_truncated:
       batch = batch._replace(loss_mask=batch.loss_mask * jnp.asarray(row_weight)[:, None])
     kl_tok = None

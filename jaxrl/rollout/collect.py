@@ -18,8 +18,9 @@ from jaxrl.models.config import ModelConfig
 from jaxrl.rollout.driver import Completion, Driver, Request
 from jaxrl.rollout.engine import Engine
 from jaxrl.rollout.kv_cache import pages_for
-from jaxrl.rollout.sampler import Rollout, left_pad
+from jaxrl.rollout.sampler import left_pad
 from jaxrl.rollout.sampling import SamplingParams
+from jaxrl.rollout.types import FINISH_REASONS, Rollout
 
 
 def to_rollout(
@@ -33,15 +34,28 @@ def to_rollout(
   tokens = np.full((b, n), pad_id, np.int32)
   mask = np.zeros((b, n), bool)
   logprobs = np.zeros((b, n), np.float32)
+  versions = np.full((b, n), -1, np.int32)
   for i, c in enumerate(completions):
     k = len(c.tokens)
     if k > n:
       raise ValueError(f"completion {c.request_id} has {k} tokens > max_new_tokens={n}")
     tokens[i, :k], mask[i, :k], logprobs[i, :k] = c.tokens, True, c.logprobs
+    versions[i, :k] = c.policy_version
   lengths = mask.sum(axis=1).astype(np.int32)
+  reason = np.array([FINISH_REASONS.index(c.finish_reason) for c in completions], np.int32)
   # Truncated = stopped by the length budget (or aborted), not by a stop token or string.
   truncated = np.array([c.finish_reason in ("length", "abort") for c in completions], bool)
-  return Rollout(prompt_tokens, prompt_mask, tokens, mask, logprobs, lengths, truncated)
+  return Rollout(
+    prompt_tokens=prompt_tokens,
+    prompt_mask=prompt_mask,
+    tokens=tokens,
+    mask=mask,
+    logprobs=logprobs,
+    versions=versions,
+    lengths=lengths,
+    truncated=truncated,
+    finish_reason=reason.reshape(b),
+  )
 
 
 class GroupSampler:

@@ -28,7 +28,6 @@ import numpy as np
 from jaxrl.rollout.engine import Engine, request_keys
 from jaxrl.rollout.sampling import SamplingParams
 
-FINISH_REASONS = ("stop", "stop_string", "length", "abort")
 BATCHING_MODES = ("continuous", "static")
 
 
@@ -59,7 +58,7 @@ class Completion:
   prompt_tokens: np.ndarray  # [P] int32
   tokens: np.ndarray  # [N] int32 completion, the stop token included
   logprobs: np.ndarray  # [N] float32 behaviour log-probs of `tokens`
-  finish_reason: str  # one of FINISH_REASONS
+  finish_reason: str  # one of jaxrl.rollout.types.FINISH_REASONS
   policy_version: int
 
 

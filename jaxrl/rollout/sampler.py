@@ -8,8 +8,6 @@ The continuous-batching engine (paged cache, slots) replaces this behind the sam
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -17,18 +15,7 @@ import numpy as np
 from jaxrl.models.config import ModelConfig
 from jaxrl.models.transformer import apply, init_cache, positions_from_mask
 from jaxrl.rollout.sampling import SamplingParams, sample_tokens
-
-
-class Rollout(NamedTuple):
-  """Sampled completions. P = prompt bucket, N = max new tokens."""
-
-  prompt_tokens: jax.Array  # [B, P] int32, left-padded
-  prompt_mask: jax.Array  # [B, P] bool
-  tokens: jax.Array  # [B, N] int32, pad after EOS
-  mask: jax.Array  # [B, N] bool, True up to and including EOS
-  logprobs: jax.Array  # [B, N] float32 behaviour log-probs (0 where mask is False)
-  lengths: jax.Array  # [B] int32 completion lengths (incl. EOS)
-  truncated: jax.Array  # [B] bool, no EOS within N tokens
+from jaxrl.rollout.types import LENGTH, STOP, Rollout
 
 
 def row_keys(seed_key: jax.Array, ids) -> jax.Array:
@@ -62,7 +49,7 @@ def make_sampler(
   def step_keys(keys, i):
     return jax.vmap(lambda k: jax.random.fold_in(k, i))(keys)
 
-  def sample(params, prompt_tokens, prompt_mask, keys) -> Rollout:
+  def sample(params, prompt_tokens, prompt_mask, keys, version=0) -> Rollout:
     b = prompt_tokens.shape[0]
     cache = init_cache(cfg, b, p + n)
     kv_valid = jnp.concatenate([prompt_mask, jnp.zeros((b, n), bool)], axis=1)
@@ -115,14 +102,17 @@ def make_sampler(
     # Valid up to and including the first EOS: no EOS strictly before this column.
     eos_before = jnp.cumsum(is_eos, axis=1) - is_eos
     mask = eos_before == 0
+    truncated = ~jnp.any(is_eos, axis=1)
     return Rollout(
       prompt_tokens=prompt_tokens,
       prompt_mask=prompt_mask,
       tokens=jnp.where(mask, out_tokens, pad_id),
       mask=mask,
       logprobs=jnp.where(mask, out_logp, 0.0),
+      versions=jnp.where(mask, jnp.asarray(version, jnp.int32), -1),
       lengths=jnp.sum(mask, axis=1, dtype=jnp.int32),
-      truncated=~jnp.any(is_eos, axis=1),
+      truncated=truncated,
+      finish_reason=jnp.where(truncated, LENGTH, STOP).astype(jnp.int32),
     )
 
   return jax.jit(sample)

@@ -5,12 +5,12 @@ import numpy as np
 import pytest
 
 from jaxrl.rl.batch import TrainBatch, from_rollout, supervised
-from jaxrl.rollout.sampler import Rollout
+from jaxrl.rollout.types import LENGTH, STOP, Rollout
 
 F, T_ = False, True
 
 
-def _rollout():
+def _rollout(versions=((7, 7, 7, -1), (7, 7, 7, 7))):
   # B = 2, P = 3 (left-padded prompts), N = 4 (EOS = 2, pad = 0 after it).
   return Rollout(
     prompt_tokens=jnp.array([[0, 5, 6], [7, 8, 9]], jnp.int32),
@@ -18,13 +18,15 @@ def _rollout():
     tokens=jnp.array([[11, 12, 2, 0], [13, 14, 15, 16]], jnp.int32),
     mask=jnp.array([[T_, T_, T_, F], [T_, T_, T_, T_]]),
     logprobs=jnp.array([[-0.5, -1.0, -1.5, 0.0], [-0.1, -0.2, -0.3, -0.4]], jnp.float32),
+    versions=jnp.array(versions, jnp.int32),
     lengths=jnp.array([3, 4], jnp.int32),
     truncated=jnp.array([F, T_]),
+    finish_reason=jnp.array([STOP, LENGTH], jnp.int32),
   )
 
 
 def test_from_rollout_layout():
-  batch = from_rollout(_rollout(), np.array([1.5, -0.5]), version=7)
+  batch = from_rollout(_rollout(), np.array([1.5, -0.5]))
   assert isinstance(batch, TrainBatch) and batch.size == 2
   np.testing.assert_array_equal(batch.tokens, [[0, 5, 6, 11, 12, 2, 0], [7, 8, 9, 13, 14, 15, 16]])
   np.testing.assert_array_equal(
@@ -49,9 +51,19 @@ def test_from_rollout_layout():
 
 def test_from_rollout_masks_reference_logprobs():
   ref = jnp.full((2, 7), -2.0, jnp.float32)
-  batch = from_rollout(_rollout(), np.zeros(2), version=0, ref_logprobs=ref)
+  batch = from_rollout(_rollout(), np.zeros(2), ref_logprobs=ref)
   np.testing.assert_array_equal(batch.ref_logprobs, -2.0 * np.asarray(batch.loss_mask))
-  np.testing.assert_array_equal(batch.versions, np.where(batch.loss_mask > 0, 0, -1))
+
+
+def test_from_rollout_keeps_per_token_versions():
+  # Row 1 was continued across an update: its first two tokens are from version 3, the rest 4.
+  # A version on a masked-out column (row 0's padding) must not leak into the batch.
+  batch = from_rollout(_rollout(versions=((4, 4, 4, 9), (3, 3, 4, 4))), np.zeros(2))
+  np.testing.assert_array_equal(
+    batch.versions, [[-1, -1, -1, 4, 4, 4, -1], [-1, -1, -1, 3, 3, 4, 4]]
+  )
+  lag = batch._replace(learner_version=jnp.array([5, 5], jnp.int32)).lag()
+  np.testing.assert_array_equal(lag, [[0, 0, 0, 1, 1, 1, 0], [0, 0, 0, 2, 2, 1, 1]])
 
 
 def test_supervised_layout():

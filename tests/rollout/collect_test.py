@@ -12,6 +12,7 @@ from jaxrl.models import ModelConfig, Transformer
 from jaxrl.rollout.collect import GroupSampler
 from jaxrl.rollout.sampler import left_pad, make_sampler, row_keys
 from jaxrl.rollout.sampling import SamplingParams
+from jaxrl.rollout.types import FINISH_REASONS, LENGTH
 
 P, N, PAD, EOS = 8, 6, 0, 2
 PROMPTS = [[1, 5, 9, 17], [1, 40, 41, 42, 43, 44, 45, 46], [1, 100]]
@@ -53,7 +54,7 @@ def test_greedy_group_rollout_equals_the_v0_sampler():
   cfg, graphdef, params = _model()
   g = 2
   sampler = _group_sampler(6, SamplingParams(temperature=0.0))
-  out, stats = sampler(params, PROMPTS, group_size=g, seed=0)
+  out, stats = sampler(params, PROMPTS, group_size=g, seed=0, version=5)
   assert stats["prefill_calls"] == len(PROMPTS)  # one prefill per group
   v0 = make_sampler(
     graphdef,
@@ -65,7 +66,7 @@ def test_greedy_group_rollout_equals_the_v0_sampler():
     sampling=SamplingParams(temperature=0.0),
   )
   toks, mask = left_pad([p for p in PROMPTS for _ in range(g)], P, PAD)
-  ref = jax.device_get(v0(params, toks, mask, row_keys(jax.random.key(0), np.arange(6))))
+  ref = jax.device_get(v0(params, toks, mask, row_keys(jax.random.key(0), np.arange(6)), 5))
   np.testing.assert_array_equal(out.prompt_tokens, ref.prompt_tokens)
   np.testing.assert_array_equal(out.prompt_mask, ref.prompt_mask)
   np.testing.assert_array_equal(out.tokens, ref.tokens)
@@ -73,6 +74,12 @@ def test_greedy_group_rollout_equals_the_v0_sampler():
   np.testing.assert_array_equal(out.lengths, ref.lengths)
   np.testing.assert_array_equal(out.truncated, ref.truncated)
   np.testing.assert_allclose(out.logprobs, ref.logprobs, atol=1e-5)
+  # Both stamp every sampled token with the version and say why each row ended.
+  np.testing.assert_array_equal(out.versions, np.where(out.mask, 5, -1))
+  np.testing.assert_array_equal(out.versions, ref.versions)
+  np.testing.assert_array_equal(out.finish_reason, ref.finish_reason)
+  assert {FINISH_REASONS[r] for r in out.finish_reason} <= {"stop", "length"}
+  np.testing.assert_array_equal(out.finish_reason == LENGTH, out.truncated)
 
 
 def test_sampled_rollout_does_not_depend_on_slot_count():
