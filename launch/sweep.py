@@ -56,6 +56,9 @@ ISA_FLAGS = {"native": "", "avx2": "--xla_cpu_max_isa=AVX2"}
 # pick up a stale checkpoint.
 RESERVED_OVERRIDES = ("seed", "workdir", "resume")
 LOG_TAIL_LINES = 40
+# Config sections that decide the SFT warm-start: a sweep reusing another's warm-starts
+# (--sft-from) must not override them, and the source sweep must not have either.
+SFT_SECTIONS = ("sft", "model", "task", "mesh", "reward")
 
 # ------------------------------------------------------------------------------- running a sweep
 
@@ -151,6 +154,38 @@ def _check_out_dir(out: Path, ident: dict) -> None:
       )
 
 
+def _check_sft_from(src: Path, ident: dict, cfg, names: list[str]) -> None:
+  """--sft-from SRC: SRC is a sweep of the same config file whose runs finished the same SFT.
+
+  What is checked: the same config path and variant, no override of an SFT-deciding section on
+  either side, and a final SFT checkpoint (step config.sft.steps) in SRC for every run. The
+  config file itself may have changed since SRC ran (that is the point: another RL setting);
+  that its SFT sections did not is the caller's claim, recorded in each run JSON as sft_from.
+  """
+  manifest = src / "sweep.json"
+  if not manifest.is_file():
+    raise SweepError(f"--sft-from={str(src)!r}: no sweep.json there (not a sweep directory)")
+  theirs = ident_of(json.loads(manifest.read_text()))
+  if (theirs["config"], theirs["variant"]) != (ident["config"], ident["variant"]):
+    raise SweepError(
+      f"--sft-from={str(src)!r} swept {theirs['config']}:{theirs['variant']}, this sweep "
+      f"{ident['config']}:{ident['variant']}; the warm-start must come from the same config"
+    )
+  for side, overrides in (("this sweep", ident["overrides"]), (str(src), theirs["overrides"])):
+    bad = [o for o in overrides if o.split(".", 1)[0] in SFT_SECTIONS]
+    if bad:
+      raise SweepError(
+        f"--sft-from: {side} overrides {bad}, which change the warm-start; allowed with "
+        f"--sft-from: overrides outside {SFT_SECTIONS}"
+      )
+  step = str(cfg.sft.steps)
+  missing = [n for n in names if not (src / "work" / n / "checkpoints" / "sft" / step).is_dir()]
+  if missing:
+    raise SweepError(
+      f"--sft-from={str(src)!r} has no final SFT checkpoint (step {step}) for {missing}"
+    )
+
+
 def _log_tail(path: Path, n: int = LOG_TAIL_LINES) -> list[str]:
   try:
     return path.read_text(errors="replace").splitlines()[-n:]
@@ -158,19 +193,29 @@ def _log_tail(path: Path, n: int = LOG_TAIL_LINES) -> list[str]:
     return []
 
 
-def _run_one(out: Path, ident: dict, config_path: Path, seed: int, isa: str) -> dict:
+def _run_one(
+  out: Path, ident: dict, config_path: Path, seed: int, isa: str, sft_from: Path | None = None
+) -> dict:
   name = run_name(isa, seed)
   workdir = out / "work" / name
   # A workdir without a run JSON is left by an interrupted or failed try. With resume=False
   # its checkpoints would clash and metrics.jsonl (opened for append) would mix both tries.
   shutil.rmtree(workdir, ignore_errors=True)
+  if sft_from is not None:
+    # The source run's finished warm-start and its SFT metrics; the trainer then restores SFT
+    # (resume=True finds it complete) and runs RL from it, as a full run would.
+    src = sft_from / "work" / name
+    shutil.copytree(src / "checkpoints" / "sft", workdir / "checkpoints" / "sft")
+    lines = (src / "metrics.jsonl").read_text().splitlines()
+    sft_lines = [line for line in lines if line.strip() and json.loads(line).get("phase") == "sft"]
+    (workdir / "metrics.jsonl").write_text("".join(line + "\n" for line in sft_lines))
   spec = str(config_path) + (f":{ident['variant']}" if ident["variant"] else "")
   cmd = [
     *TRAIN_COMMAND,
     f"--config={spec}",
     f"--config.seed={seed}",
     f"--config.workdir={workdir}",
-    "--config.resume=False",
+    f"--config.resume={sft_from is not None}",
     "--config.log.progress=False",
     *(f"--config.{o}" for o in ident["overrides"]),
   ]
@@ -205,6 +250,8 @@ def _run_one(out: Path, ident: dict, config_path: Path, seed: int, isa: str) -> 
     metrics=metrics,
     log_tail=_log_tail(log_path),
   )
+  if sft_from is not None:
+    record["sft_from"] = str(sft_from)
   write_json(out / "runs" / f"{name}.json", record)
   return record
 
@@ -221,8 +268,14 @@ def run_sweep(
   *,
   parallel: int = 1,
   overrides: list[str] = (),
+  sft_from: str | os.PathLike | None = None,
 ) -> tuple[list[dict], str]:
-  """Runs every (isa, seed) not yet done, then summarizes; returns (all runs, markdown)."""
+  """Runs every (isa, seed) not yet done, then summarizes; returns (all runs, markdown).
+
+  With `sft_from` (another sweep's OUT) each run starts RL from that sweep's finished SFT
+  checkpoint of the same (isa, seed) instead of training its own: a paired comparison of RL
+  settings on identical warm-starts, at the RL phase's cost only.
+  """
   # Everything is checked before OUT is created, so a typo leaves nothing behind.
   seed_list, isa_list = parse_seeds(seeds), parse_isas(isa)
   if parallel < 1:
@@ -236,6 +289,9 @@ def run_sweep(
   }
   out = Path(out)
   _check_out_dir(out, ident)
+  if sft_from is not None:
+    sft_from = Path(sft_from)
+    _check_sft_from(sft_from, ident, cfg, [run_name(i, s) for i in isa_list for s in seed_list])
   for sub in ("runs", "logs", "work"):
     (out / sub).mkdir(parents=True, exist_ok=True)
   write_json(out / "sweep.json", ident)
@@ -260,7 +316,7 @@ def run_sweep(
     s, i = job
     with lock:
       print(f"[sweep] start {run_name(i, s)} [{elapsed()}]", flush=True)
-    run = _run_one(out, ident, Path(path).resolve(), s, i)
+    run = _run_one(out, ident, Path(path).resolve(), s, i, sft_from)
     with lock:
       if run["ok"]:
         msg = f"done {run_name(i, s)} in {run['wall_s']:.1f}s: {_accuracies(run)}"
@@ -289,6 +345,9 @@ def _parser() -> argparse.ArgumentParser:
   r.add_argument("--out", required=True, help="the sweep's directory")
   r.add_argument("--parallel", type=int, default=1, help="runs at once")
   r.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="rl.steps=10")
+  r.add_argument(
+    "--sft-from", default=None, help="another sweep's OUT: start RL from its SFT checkpoints"
+  )
   s = sub.add_parser("summarize", help="(re)write OUT/summary.{json,md} and OUT/accuracy.png")
   s.add_argument("out")
   c = sub.add_parser("compare", help="paired B - A over the (isa, seed) runs both sweeps have")
@@ -319,6 +378,7 @@ def main(argv: list[str] | None = None) -> int:
         args.out,
         parallel=args.parallel,
         overrides=[*args.set, *passthrough],
+        sft_from=args.sft_from,
       )
       failed = [r for r in runs if not r["ok"]]
       if failed:

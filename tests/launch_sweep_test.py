@@ -323,6 +323,68 @@ def test_sweep_runs_skips_retries_and_reports_failures(tmp_path, monkeypatch, ca
   assert "start" not in capsys.readouterr().out
 
 
+# A stand-in that, like the trainer with resume=True, finds a finished warm-start and adds RL.
+FAKE_RL_ONLY = r"""
+import json, os, sys
+flags = dict(a[2:].split("=", 1) for a in sys.argv[1:])
+workdir = flags["config.workdir"]
+sft_ckpt = os.path.isdir(os.path.join(workdir, "checkpoints", "sft", "60"))
+with open(os.path.join(workdir, "metrics.jsonl")) as f:
+  sft = [json.loads(line) for line in f]
+with open(os.path.join(workdir, "metrics.jsonl"), "a") as f:
+  f.write(json.dumps({"step": 1, "phase": "rl", "global_step": 61, "eval/accuracy": 0.8}) + "\n")
+summary = {"accuracy_init": 0.0, "accuracy_after_sft": sft[-1]["eval/accuracy"],
+           "accuracy_after_rl": 0.8, "wall_s": 1.0, "resume": flags["config.resume"],
+           "found_sft_checkpoint": sft_ckpt}
+with open(os.path.join(workdir, "summary.json"), "w") as f:
+  json.dump(summary, f)
+"""
+
+
+def _source_sweep(tmp_path, overrides=()):
+  """A finished sweep's directory: sweep.json and native_seed0's SFT checkpoint and metrics."""
+  src = tmp_path / "src"
+  ident = {"config": CONFIG, "variant": "smoke", "overrides": list(overrides)}
+  (src / "work" / "native_seed0" / "checkpoints" / "sft" / "60").mkdir(parents=True)
+  (src / "sweep.json").write_text(json.dumps(ident))
+  records = [
+    {"step": 60, "phase": "sft", "global_step": 60, "eval/accuracy": 0.6},
+    {"step": 1, "phase": "rl", "global_step": 61, "eval/accuracy": 0.1},  # the source's own RL
+  ]
+  metrics = "".join(json.dumps(r) + "\n" for r in records)
+  (src / "work" / "native_seed0" / "metrics.jsonl").write_text(metrics)
+  return src
+
+
+def test_sft_from_starts_rl_from_the_source_sweeps_warm_starts(tmp_path, monkeypatch):
+  monkeypatch.setattr(sweep, "TRAIN_COMMAND", (sys.executable, "-c", FAKE_RL_ONLY))
+  src, out = _source_sweep(tmp_path), tmp_path / "out"
+  argv = ["run", f"--config={CONFIG}:smoke", "--seeds=0", f"--out={out}", f"--sft-from={src}"]
+  assert sweep.main([*argv, "--set", "rl.learning_rate=3e-5"]) == 0
+  run = json.loads((out / "runs" / "native_seed0.json").read_text())
+  assert run["ok"] and run["sft_from"] == str(src)
+  assert run["summary"]["resume"] == "True" and run["summary"]["found_sft_checkpoint"]
+  # The source's SFT records were copied, its RL records were not.
+  assert run["eval_curve"] == [[60, 0.6], [61, 0.8]]
+  assert run["rl_gain"] == pytest.approx(0.2)
+
+  # Refused before anything runs: an override of the warm-start, a source that overrode it,
+  # a seed the source lacks, a directory that is not a sweep.
+  cases = [
+    (["--seeds=0", "--set", "sft.steps=10"], src, "change the warm-start"),
+    (["--seeds=0"], _source_sweep(tmp_path / "b", ["sft.learning_rate=0.1"]), "change the warm"),
+    (["--seeds=0-1"], src, "no final SFT checkpoint (step 60) for ['native_seed1']"),
+    (["--seeds=0"], tmp_path, "no sweep.json there"),
+  ]
+  for extra, source, message in cases:
+    other = tmp_path / "refused"
+    flags = ["run", f"--config={CONFIG}:smoke", f"--out={other}", f"--sft-from={source}", *extra]
+    with pytest.raises(SystemExit) as e:
+      sweep.main(flags)
+    assert message in str(e.value.code)
+    assert not other.exists()
+
+
 @pytest.mark.slow
 def test_end_to_end_smoke_run_then_skip(tmp_path, monkeypatch, capsys):
   monkeypatch.chdir(ROOT)
