@@ -5,8 +5,10 @@
     result.finished / result.partial: Completions (numpy prompt tokens, completion tokens,
     behaviour log-probs, finish reason, policy version); result.unstarted: requests never begun.
 
-Loop: while a slot and the pages for the head request (or its whole group) are free, prefill it
-once (`prefill_multisampling`: a group shares its prompt) and `bulk_insert` its samples; dispatch
+Loop: admit queued requests (a group whole) while slots and pages last; prefill the admitted
+prompts of one length bucket in ONE call (`prefill_batch`: a group's samples share its prompt's
+prefill) and place all their samples with one `insert_batch` (a prompt longer than a prefill
+chunk is prefilled chunk by chunk, `prefill_prompt` + `bulk_insert`); dispatch
 `generate_steps` for `steps_per_call` steps; while the device runs them, process the previous
 call's results on the host (append tokens, check stop strings, retire finished sequences, free
 their pages); refill; repeat until every request is done or `stop_when(progress)` holds, which
@@ -147,6 +149,7 @@ class Driver:
     finished: list[Completion] = []
     stats = {
       "prefill_calls": 0,
+      "prefill_prompts": 0,  # each group's prompt once: prefill_calls <= this
       "generate_calls": 0,
       "decode_steps": 0,
       "queued_waits": 0,
@@ -175,33 +178,65 @@ class Driver:
 
     def fill(budget):
       """Admit queued units while slots and pages last (and, static, `budget` samples)."""
+      admitted = []
+      slots_left, pages_left = eng.max_concurrent_decodes - len(live), eng.allocator.num_free
       while queue:
         group = units[queue[0]]
         req = group[0]
         if budget is not None and len(group) > budget:
-          return
-        free_slots = [s for s in range(eng.max_concurrent_decodes) if s not in live]
+          break
         need = eng.pages_needed(len(req.prompt), req.max_new_tokens, len(group))
-        if len(free_slots) < len(group) or need > eng.allocator.num_free:
+        if slots_left < len(group) or need > pages_left:
           stats["queued_waits"] += 1
-          return
-        unit = queue.pop(0)
+          break
+        admitted.append(queue.pop(0))
+        slots_left, pages_left = slots_left - len(group), pages_left - need
         if budget is not None:
           budget -= len(group)
-        prefix, first = eng.prefill_prompt(
-          params,
-          req.prompt,
-          sampler=[r.sampling for r in group],
-          rng=request_keys(seed, [r.request_id for r in group]),
-          num_samples=len(group),
-          max_new_tokens=req.max_new_tokens,
-          stop_token_ids=self._stop_ids(req),
-        )
+      if not admitted:
+        return
+      free_slots = [s for s in range(eng.max_concurrent_decodes) if s not in live]
+      # Whole prompts of one length bucket share one prefill call and one insert; prompts past
+      # a prefill chunk are prefilled chunk by chunk, one unit at a time.
+      buckets: dict[int, list[int]] = {}
+      for u in admitted:
+        n = len(units[u][0].prompt)
+        if n <= eng.prefill_chunk_size:
+          buckets.setdefault(eng.prefill_bucket(n), []).append(u)
+        else:
+          buckets.setdefault(-u - 1, []).append(u)  # a bucket of its own
+      for key, batch_units in buckets.items():
+        groups = [units[u] for u in batch_units]
+        reqs = [r for g in groups for r in g]
+        keys = request_keys(seed, [r.request_id for r in reqs])
+        if key >= 0:
+          batch, first = eng.prefill_batch(
+            params,
+            [g[0].prompt for g in groups],
+            num_samples=[len(g) for g in groups],
+            sampler=[r.sampling for r in reqs],
+            rng=keys,
+            max_new_tokens=[g[0].max_new_tokens for g in groups],
+            stop_token_ids=[self._stop_ids(g[0]) for g in groups],
+          )
+        else:
+          req = groups[0][0]
+          batch, first = eng.prefill_prompt(
+            params,
+            req.prompt,
+            sampler=[r.sampling for r in reqs],
+            rng=keys,
+            num_samples=len(reqs),
+            max_new_tokens=req.max_new_tokens,
+            stop_token_ids=self._stop_ids(req),
+          )
         stats["prefill_calls"] += 1
+        stats["prefill_prompts"] += len(groups)
         first = first.convert_to_numpy()
         slots, samples = [], []
-        for j, r in enumerate(group):
-          seq = _Live(r, unit)
+        members = [(u, r) for u, g in zip(batch_units, groups, strict=True) for r in g]
+        for j, (u, r) in enumerate(members):
+          seq = _Live(r, u)
           d = first.get_result_at_slot(j)
           seq.tokens.append(int(d.tokens[0]))
           seq.logprobs.append(float(d.log_prob[0]))
@@ -209,26 +244,31 @@ class Driver:
           if reason:
             finish(seq, reason)
             continue
-          seq.slot = free_slots[len(slots)]
+          seq.slot = free_slots.pop(0)
           slots.append(seq.slot)
           samples.append(j)
           live[seq.slot] = seq
           owners[seq.slot] = r.request_id
-        if slots:
-          self._state = eng.bulk_insert(prefix, self._state, slots, samples)
+        if not slots:
+          continue
+        if key >= 0:
+          self._state = eng.insert_batch(batch, self._state, slots, samples)
+        else:
+          self._state = eng.bulk_insert(batch, self._state, slots, samples)
 
     def process(result, owner_ids):
       data = result.convert_to_numpy()
-      for slot in range(eng.max_concurrent_decodes):
-        seq = live.get(slot)
-        if seq is None or seq.request.request_id != owner_ids[slot]:
+      # Every column once for all slots ([steps, B] each), then python per produced token.
+      d = data.all_slots()
+      tokens, logp = d.tokens[..., 0].tolist(), d.log_prob[..., 0].tolist()
+      valid, done = d.valid[..., 0], data.done
+      for slot, seq in list(live.items()):
+        if seq.request.request_id != owner_ids[slot]:
           continue  # retired since this call was dispatched: its late tokens are dropped
-        d = data.get_result_at_slot(slot)
-        done = data.done[:, slot]
-        for i in np.flatnonzero(d.valid[:, 0]):
-          seq.tokens.append(int(d.tokens[i, 0]))
-          seq.logprobs.append(float(d.log_prob[i, 0]))
-          reason = self._host_finish(seq, bool(done[i]))
+        for i in np.flatnonzero(valid[:, slot]):
+          seq.tokens.append(tokens[i][slot])
+          seq.logprobs.append(logp[i][slot])
+          reason = self._host_finish(seq, bool(done[i, slot]))
           if reason:
             finish(seq, reason)
             break

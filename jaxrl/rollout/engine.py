@@ -103,6 +103,10 @@ class ResultTokens:
       log_prob=np.ascontiguousarray(d[..., slice(*self.log_prob_idx)]).view(np.float32),
     )
 
+  def all_slots(self) -> SlotData:
+    """Every slot's view at once: tokens, valid, log_prob [..., B, 1] and lengths [..., B]."""
+    return self.get_result_at_slot(slice(None))
+
   @property
   def done(self) -> np.ndarray:
     return np.asarray(self.data)[..., self.done_idx[0]].astype(bool)
@@ -125,6 +129,22 @@ class Prefix(NamedTuple):
   sampling: RowSampling  # [G] per-sample parameters
   max_new_tokens: int
   stop_ids: np.ndarray  # [MAX_STOP_TOKENS] int32, -1 = unused
+
+
+class PrefillBatch(NamedTuple):
+  """K prompts prefilled in one call (`prefill_batch`): their caches and the first token of each
+  of their N samples, prompt-major. Arrays are padded to the call's buckets (Kb >= K, Nb >= N)."""
+
+  cache: tuple  # L pairs (k, v), each [Kb, S, K, H]; row i positions [0, lengths[i]) real
+  lengths: np.ndarray  # [K] int32 prompt lengths (host)
+  tokens: jax.Array  # [Nb] int32 first sampled tokens
+  logprobs: jax.Array  # [Nb] float32
+  keys: np.ndarray  # [Nb, 2] uint32 per-sample request keys
+  sampling: RowSampling  # [Nb] per-sample parameters
+  group: np.ndarray  # [N] int32: the prompt of each sample
+  max_new: np.ndarray  # [K] int32
+  stop_ids: np.ndarray  # [K, MAX_STOP_TOKENS] int32, -1 = unused
+  num_samples: tuple  # [K] samples per prompt
 
 
 class DecodeState(NamedTuple):
@@ -410,11 +430,12 @@ class Engine:
       cache,
       tokens[None],
       np.int32(start),
-      np.int32(true_length),
+      np.asarray([true_length], np.int32),
+      np.zeros(num_samples, np.int32),
       keys,
       rows,
-      stop_ids,
-      np.int32(max_new),
+      stop_ids[None],
+      np.asarray([max_new], np.int32),
       capacity=capacity if cache is None else 0,  # a static arg: 0 when unused, so no recompile
     )
     self.stats["prefill_calls"] += 1
@@ -443,6 +464,89 @@ class Engine:
       )
     return prefix, result
 
+  def prefill_batch(
+    self,
+    params,
+    prompts: Sequence[Sequence[int]],
+    *,
+    num_samples: Sequence[int],
+    sampler: Sequence[SamplingParams],
+    rng,
+    max_new_tokens: Sequence[int],
+    stop_token_ids: Sequence[Sequence[int]],
+  ) -> tuple[PrefillBatch, ResultTokens]:
+    """Prefill K whole prompts (each at most `prefill_chunk_size` tokens) in ONE jitted call and
+    draw the first token of each of their samples: prompt k has num_samples[k] samples.
+
+    sampler, rng ([N, 2] key data): one per sample, prompt-major (N = sum(num_samples));
+    max_new_tokens / stop_token_ids: one per prompt, carried to `insert_batch`. The call is
+    padded to buckets, so one program serves every batch of one (prompt count, sample count,
+    length) bucket: prompts and samples to powers of two, length to the longest prompt's
+    `prefill_bucket`. Prompts sharing a length bucket give the tokens, log-probs and cache
+    entries `prefill_prompt` gives each alone.
+    Returns (PrefillBatch, ResultTokens with data [N, 5]).
+    """
+    k = len(prompts)
+    counts = [int(g) for g in num_samples]
+    if k == 0 or len(counts) != k or len(max_new_tokens) != k or len(stop_token_ids) != k:
+      raise ValueError(
+        f"prefill_batch needs one num_samples, max_new_tokens and stop_token_ids per prompt; got "
+        f"{k} prompts, {len(counts)}, {len(max_new_tokens)} and {len(stop_token_ids)}"
+      )
+    if any(g <= 0 for g in counts):
+      raise ValueError(f"num_samples must be positive, got {counts}")
+    lengths = np.asarray([len(p) for p in prompts], np.int32)
+    for length, max_new in zip(lengths, max_new_tokens, strict=True):
+      self.check_prompt(int(length), int(max_new))
+    if lengths.max() > self._chunk:
+      raise ValueError(
+        f"prefill_batch takes prompts of at most prefill_chunk_size={self._chunk} tokens, got "
+        f"{int(lengths.max())}; prefill longer ones in chunks with prefill_prompt"
+      )
+    n = sum(counts)
+    samplers = list(sampler)
+    rng = np.asarray(rng)
+    if len(samplers) != n or rng.shape != (n, 2):
+      raise ValueError(
+        f"prefill_batch needs one sampler and one [2] key per sample ({n}); got "
+        f"{len(samplers)} samplers and keys of shape {rng.shape}"
+      )
+    width = self.prefill_bucket(int(lengths.max()))
+    kb, nb = _next_pow2(k), _next_pow2(n)
+    tokens = np.zeros((kb, width), np.int32)
+    for i, p in enumerate(prompts):
+      tokens[i, : lengths[i]] = p
+    true_len = np.ones(kb, np.int32)  # padding rows: one token, never read
+    true_len[:k] = lengths
+    group = np.zeros(nb, np.int32)
+    group[:n] = np.repeat(np.arange(k, dtype=np.int32), counts)
+    keys = np.zeros((nb, 2), np.uint32)
+    keys[:n] = rng
+    rows = RowSampling.stack(samplers + [SamplingParams()] * (nb - n))
+    stop = np.full((kb, MAX_STOP_TOKENS), -1, np.int32)
+    stop[:k] = [_stop_array(ids) for ids in stop_token_ids]
+    max_new = np.ones(kb, np.int32)
+    max_new[:k] = max_new_tokens
+    cache, first, logp, data = self._prefill_jit(
+      params,
+      None,
+      tokens,
+      np.int32(0),
+      true_len,
+      group,
+      keys,
+      rows,
+      stop,
+      max_new,
+      capacity=width,
+    )
+    self.stats["prefill_calls"] += 1
+    self.stats["prefill_tokens"] += int(k * width)
+    batch = PrefillBatch(
+      cache, lengths, first, logp, keys, rows, group[:n], max_new[:k], stop[:k], tuple(counts)
+    )
+    return batch, ResultTokens(data[:n], samples_per_slot=n)
+
   def _empty_prefix(self, capacity: int) -> Prefix:
     none = np.zeros(0)
     return Prefix(self._zero_cache(capacity), 0, none, none, none, None, 0, none)
@@ -464,13 +568,15 @@ class Engine:
     return rng
 
   def _prefill_fn(
-    self, params, cache, tokens, start, true_len, keys, rows, stop_ids, max_new, *, capacity
+    self, params, cache, tokens, start, true_len, group, keys, rows, stop_ids, max_new, *, capacity
   ):
+    """K prompts tokens [K, T] from position `start` (a scalar: > 0 only for a later chunk of one
+    prompt), true lengths [K]; sample n draws from prompt group[n] with keys[n], rows[n]."""
     if cache is None:
-      cache = init_cache(self.cfg, 1, capacity)
+      cache = init_cache(self.cfg, tokens.shape[0], capacity)
     s, t = cache[0][0].shape[1], tokens.shape[1]
-    positions = start + jnp.arange(t, dtype=jnp.int32)[None]
-    kv_valid = (jnp.arange(s) < start + true_len)[None]
+    positions = start + jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), tokens.shape)
+    kv_valid = jnp.arange(s)[None] < (start + true_len)[:, None]
     logits, cache = apply(
       self.graphdef,
       params,
@@ -479,13 +585,12 @@ class Engine:
       kv_valid,
       cache=cache,
       cache_index=start,
-      logits_at=(true_len - 1)[None],
+      logits_at=true_len - 1,
     )
-    g = keys.shape[0]
-    logits = jnp.broadcast_to(logits, (g, logits.shape[-1]))
-    first, logp = sample_rows(logits, _step_keys(keys, jnp.zeros(g, jnp.int32)), rows)
-    done = jnp.any(first[:, None] == stop_ids[None], -1) | (max_new <= 1)
-    return cache, first, logp, _pack(first, jnp.ones(g, bool), jnp.ones(g, jnp.int32), done, logp)
+    n = keys.shape[0]
+    first, logp = sample_rows(logits[group], _step_keys(keys, jnp.zeros(n, jnp.int32)), rows)
+    done = jnp.any(first[:, None] == stop_ids[group], -1) | (max_new[group] <= 1)
+    return cache, first, logp, _pack(first, jnp.ones(n, bool), jnp.ones(n, jnp.int32), done, logp)
 
   # --- decode state, insert, free -----------------------------------------------------------
   def init_decode_state(self) -> DecodeState:
@@ -544,72 +649,139 @@ class Engine:
     sample_ids = list(range(len(slots))) if sample_ids is None else [int(j) for j in sample_ids]
     if len(sample_ids) != len(slots) or not slots:
       raise ValueError(f"bulk_insert needs one sample id per slot, got {sample_ids} for {slots}")
-    for s in slots:
-      if not 0 <= s < self._slots or s in self.slot_pages:
-        raise ValueError(f"slot {s} is not a free slot of [0, {self._slots})")
-    if len(set(slots)) != len(slots):
-      raise ValueError(f"bulk_insert slots must differ, got {slots}")
+    self._check_slots(slots)
     n, g = prefix.length, len(slots)
     need = self.pages_needed(n, prefix.max_new_tokens, g)
     if need > self.allocator.num_free:
       raise OutOfPages(f"need {need} KV pages, {self.allocator.num_free} are free")
     decode_state = self._apply_releases(decode_state)
-    n_shared = n // self.page_size
-    own = pages_for(n + prefix.max_new_tokens - 1, self.page_size) - n_shared
-    shared = self.allocator.alloc(n_shared)
-    self.allocator.share(shared, g - 1)
-    rows, write_from = [], []
-    for j, s in enumerate(slots):
-      pages = shared + self.allocator.alloc(own)
-      self.slot_pages[s] = pages
-      rows.append(table_row(pages, self.max_pages_per_seq))
-      write_from.append(0 if j == 0 else n_shared * self.page_size)  # shared pages written once
+    rows, write_from = self._alloc_group(slots, n, prefix.max_new_tokens)
     self.stats["insert_calls"] += 1
     return self._insert_jit(
       decode_state,
       prefix.cache,
-      np.int32(n),
       np.asarray(slots, np.int32),
+      np.zeros(g, np.int32),
+      np.full(g, n, np.int32),
       np.stack(rows),
       np.asarray(write_from, np.int32),
       np.asarray(sample_ids, np.int32),
       prefix.tokens,
       prefix.keys,
       prefix.sampling,
-      np.int32(prefix.max_new_tokens),
-      prefix.stop_ids,
+      np.full(g, prefix.max_new_tokens, np.int32),
+      np.broadcast_to(prefix.stop_ids, (g, MAX_STOP_TOKENS)),
     )
 
+  def insert_batch(
+    self, batch: PrefillBatch, decode_state: DecodeState, slots: Sequence[int], sample_ids
+  ) -> DecodeState:
+    """Place sample sample_ids[j] of a PrefillBatch (an index into its N samples) in slots[j],
+    in ONE jitted call. Samples of one prompt share its full prompt pages, as in `bulk_insert`;
+    the call is padded to a power-of-two slot count (one program per count bucket). Raises
+    OutOfPages (allocating nothing) when the pool is short."""
+    slots, sample_ids = [int(s) for s in slots], [int(j) for j in sample_ids]
+    if len(sample_ids) != len(slots) or not slots:
+      raise ValueError(f"insert_batch needs one sample id per slot, got {sample_ids} for {slots}")
+    self._check_slots(slots)
+    n_samples = len(batch.group)
+    if any(not 0 <= j < n_samples for j in sample_ids) or len(set(sample_ids)) != len(slots):
+      raise ValueError(f"insert_batch sample ids must be distinct in [0, {n_samples})")
+    by_prompt: dict[int, list[int]] = {}
+    for j, sid in enumerate(sample_ids):
+      by_prompt.setdefault(int(batch.group[sid]), []).append(j)
+    need = sum(
+      self.pages_needed(int(batch.lengths[k]), int(batch.max_new[k]), len(js))
+      for k, js in by_prompt.items()
+    )
+    if need > self.allocator.num_free:
+      raise OutOfPages(f"need {need} KV pages, {self.allocator.num_free} are free")
+    decode_state = self._apply_releases(decode_state)
+    gb = _next_pow2(len(slots))
+    width = batch.cache[0][0].shape[1]
+    slot_arr = np.full(gb, self._slots, np.int32)  # padding: an out-of-range slot, dropped
+    row_of = np.zeros(gb, np.int32)
+    lengths = np.zeros(gb, np.int32)  # padding writes nothing (positions >= length are dropped)
+    table = np.zeros((gb, self.max_pages_per_seq), np.int32)
+    write_from = np.full(gb, width, np.int32)
+    samples = np.zeros(gb, np.int32)
+    max_new = np.ones(gb, np.int32)
+    stop = np.full((gb, MAX_STOP_TOKENS), -1, np.int32)
+    for k, js in by_prompt.items():
+      rows, starts = self._alloc_group(
+        [slots[j] for j in js], int(batch.lengths[k]), int(batch.max_new[k])
+      )
+      for j, row, w in zip(js, rows, starts, strict=True):
+        slot_arr[j], row_of[j], lengths[j] = slots[j], k, batch.lengths[k]
+        table[j], write_from[j], samples[j] = row, w, sample_ids[j]
+        max_new[j], stop[j] = batch.max_new[k], batch.stop_ids[k]
+    self.stats["insert_calls"] += 1
+    return self._insert_jit(
+      decode_state,
+      batch.cache,
+      slot_arr,
+      row_of,
+      lengths,
+      table,
+      write_from,
+      samples,
+      batch.tokens,
+      batch.keys,
+      batch.sampling,
+      max_new,
+      stop,
+    )
+
+  def _check_slots(self, slots: list[int]) -> None:
+    for s in slots:
+      if not 0 <= s < self._slots or s in self.slot_pages:
+        raise ValueError(f"slot {s} is not a free slot of [0, {self._slots})")
+    if len(set(slots)) != len(slots):
+      raise ValueError(f"insert slots must differ, got {slots}")
+
+  def _alloc_group(self, slots: list[int], n: int, max_new: int):
+    """Pages of one prompt's samples placed in `slots` (the caller checked they fit): the full
+    prompt pages once, shared, and per slot its own. Returns (page-table rows, the first
+    position each slot writes: the shared pages are written by the first slot only)."""
+    n_shared = n // self.page_size
+    own = pages_for(n + max_new - 1, self.page_size) - n_shared
+    shared = self.allocator.alloc(n_shared)
+    self.allocator.share(shared, len(slots) - 1)
+    rows, write_from = [], []
+    for j, s in enumerate(slots):
+      pages = shared + self.allocator.alloc(own)
+      self.slot_pages[s] = pages
+      rows.append(table_row(pages, self.max_pages_per_seq))
+      write_from.append(0 if j == 0 else n_shared * self.page_size)
+    return rows, write_from
+
   def _insert_fn(
-    self, st, cache, length, slots, rows, write_from, samples, first, keys, sampling, max_new, stop
-  ):
-    g, s = rows.shape[0], cache[0][0].shape[1]
+    self, st, cache, slots, row_of, lengths, rows, write_from, samples, first, keys, sampling,
+    max_new, stop,
+  ):  # fmt: skip
+    """Slot j <- sample samples[j] of prompt row_of[j] of `cache` (one row per prompt). Slots
+    past the engine's count are padding: every per-slot write drops them."""
+    s = cache[0][0].shape[1]
     pos = jnp.arange(s, dtype=jnp.int32)[None]
     pos = jnp.where(pos >= write_from[:, None], pos, -1)  # [G, S], -1: skipped
-    lengths = jnp.full((g,), length, jnp.int32)
     k_pages, v_pages = [], []
     for (pk, pv), (ck, cv) in zip(zip(st.k_pages, st.v_pages, strict=True), cache, strict=True):
-      paged = write_kv(
-        PagedKV(pk, pv, rows, lengths),
-        jnp.broadcast_to(ck, (g, *ck.shape[1:])),
-        jnp.broadcast_to(cv, (g, *cv.shape[1:])),
-        pos,
-      )
+      paged = write_kv(PagedKV(pk, pv, rows, lengths), ck[row_of], cv[row_of], pos)
       k_pages.append(paged.k_pages)
       v_pages.append(paged.v_pages)
     tok = first[samples]
-    done = jnp.any(tok[:, None] == stop[None], -1) | (max_new <= 1)
-    put = lambda a, x: a.at[slots].set(x)
+    done = jnp.any(tok[:, None] == stop, -1) | (max_new <= 1)
+    put = lambda a, x: a.at[slots].set(x, mode="drop")
     return st._replace(
       k_pages=tuple(k_pages),
       v_pages=tuple(v_pages),
       page_table=put(st.page_table, rows),
       lengths=put(st.lengths, lengths),
       tokens=put(st.tokens, tok),
-      steps=put(st.steps, jnp.ones(g, jnp.int32)),
+      steps=put(st.steps, jnp.ones_like(lengths)),
       active=put(st.active, ~done),
-      max_new=put(st.max_new, jnp.full((g,), max_new, jnp.int32)),
-      stop_ids=put(st.stop_ids, jnp.broadcast_to(stop, (g, stop.shape[0]))),
+      max_new=put(st.max_new, max_new),
+      stop_ids=put(st.stop_ids, stop),
       keys=put(st.keys, keys[samples]),
       sampling=jax.tree.map(lambda a, x: put(a, x[samples]), st.sampling, sampling),
     )

@@ -234,6 +234,132 @@ def _run_alone(eng, prompt, key, n_new):
   return np.concatenate([first.convert_to_numpy().get_result_at_slot(0).tokens, d.tokens[:, 0]])
 
 
+def _slot_kv(eng, st, slot, length):
+  """Slot `slot`'s keys and values at positions [0, length), read back through its page table."""
+  pages = eng.slot_pages[slot]
+  out = []
+  for k, v in zip(st.k_pages, st.v_pages, strict=True):
+    kv = [np.asarray(x)[pages].reshape(-1, *x.shape[2:])[:length] for x in (k, v)]
+    out.append(np.stack(kv))
+  return np.stack(out)  # [L, 2, length, K, H]
+
+
+def test_multi_group_prefill_equals_per_group_prefills():
+  """Three groups (G = 3, 1, 2) of whole prompts in ONE prefill call and ONE insert: the same
+  first tokens, KV pages and continuations as each group prefilled and inserted alone, and
+  shared prompt pages held by every sample of their group."""
+  _, _, params = _model()
+  prompts = [PROMPTS[13], PROMPTS[10], [9, 8, 7, 6, 5]]  # 8, 3, 5 tokens: one length bucket
+  counts, n_new, seed = [3, 1, 2], 5, 11
+  rids = [[100 * i + j for j in range(g)] for i, g in enumerate(counts)]
+  flat = [r for ids in rids for r in ids]
+  eng = _engine(6)
+  st = eng.init_decode_state()
+  before = eng.stats["prefill_calls"]
+  batch, first = eng.prefill_batch(
+    params,
+    prompts,
+    num_samples=counts,
+    sampler=[SAMPLED] * len(flat),
+    rng=np.stack([request_key(seed, r) for r in flat]),
+    max_new_tokens=[n_new] * 3,
+    stop_token_ids=[()] * 3,
+  )
+  assert eng.stats["prefill_calls"] - before == 1
+  slots = [5, 0, 3, 1, 4, 2]
+  st = eng.insert_batch(batch, st, slots, list(range(len(flat))))
+  # Prompt 0 (8 tokens = 2 full pages) shares them among its 3 samples.
+  shared = eng.slot_pages[5][:2]
+  assert all(eng.slot_pages[s][:2] == shared for s in (5, 0, 3))
+  assert [eng.allocator.refcount(p) for p in shared] == [3, 3]
+  used = eng.num_pages - eng.allocator.num_free
+  need = [eng.pages_needed(len(p), n_new, g) for p, g in zip(prompts, counts, strict=True)]
+  assert used == sum(need)
+  members = [(i, r) for i, ids in enumerate(rids) for r in ids]
+  kv = {r: _slot_kv(eng, st, s, len(prompts[i])) for s, (i, r) in zip(slots, members, strict=True)}
+  st, res = eng.generate_steps(params, st, n_new - 1)
+  res, first = res.convert_to_numpy(), first.convert_to_numpy()
+  got = {}
+  for j, (r, s) in enumerate(zip(flat, slots, strict=True)):
+    f, d = first.get_result_at_slot(j), res.get_result_at_slot(s)
+    got[r] = (
+      np.concatenate([f.tokens[:, 0] if f.tokens.ndim > 1 else f.tokens, d.tokens[:, 0]]),
+      np.concatenate([f.log_prob.reshape(-1), d.log_prob[:, 0]]),
+    )
+    eng.free_resource(s)
+  assert eng.allocator.num_free == eng.num_pages
+  # Each group alone: its own prefill_prompt and bulk_insert.
+  for prompt, ids in zip(prompts, rids, strict=True):
+    st = eng.init_decode_state()
+    prefix, f = eng.prefill_prompt(
+      params,
+      prompt,
+      sampler=SAMPLED,
+      rng=np.stack([request_key(seed, r) for r in ids]),
+      num_samples=len(ids),
+      max_new_tokens=n_new,
+    )
+    st = eng.bulk_insert(prefix, st, list(range(len(ids))))
+    alone_kv = [_slot_kv(eng, st, j, len(prompt)) for j in range(len(ids))]
+    st, res = eng.generate_steps(params, st, n_new - 1)
+    res, f = res.convert_to_numpy(), f.convert_to_numpy()
+    for j, r in enumerate(ids):
+      d = res.get_result_at_slot(j)
+      tokens = np.concatenate([f.get_result_at_slot(j).tokens.reshape(-1), d.tokens[:, 0]])
+      logp = np.concatenate([f.get_result_at_slot(j).log_prob.reshape(-1), d.log_prob[:, 0]])
+      np.testing.assert_array_equal(got[r][0], tokens, err_msg=str(r))
+      # A 1-row and a 4-row prefill matmul may round the last bits differently (XLA CPU dot).
+      np.testing.assert_allclose(got[r][1], logp, atol=2e-6, rtol=0, err_msg=str(r))
+      np.testing.assert_allclose(kv[r], alone_kv[j], atol=1e-6, rtol=0, err_msg=str(r))
+      eng.free_resource(j)
+  assert len({tuple(got[r][0]) for r in rids[0]}) > 1  # a group's samples differ
+
+
+def test_multi_group_prefill_compiles_once_per_bucket():
+  """prefill_batch pads the prompt count, sample count and length to buckets: batches of other
+  prompts in the same buckets reuse the program, and insert_batch compiles once per slot-count
+  bucket."""
+  _, _, params = _model()
+  eng = _engine(8, 8, 64)
+  sizes = []
+  for shift in range(3):
+    st = eng.init_decode_state()
+    lengths = [5 + (i + shift) % 3 for i in range(3)]  # 5-7 tokens: the length bucket of 8
+    prompts = [[(3 * shift + i + j) % 200 + 1 for j in range(n)] for i, n in enumerate(lengths)]
+    batch, _ = eng.prefill_batch(
+      params,
+      prompts,
+      num_samples=[2, 2, 2],
+      sampler=[SAMPLED] * 6,
+      rng=np.stack([request_key(shift, r) for r in range(6)]),
+      max_new_tokens=[4] * 3,
+      stop_token_ids=[(1,)] * 3,
+    )
+    st = eng.insert_batch(batch, st, list(range(6)), list(range(6)))
+    sizes.append((eng._prefill_jit._cache_size(), eng._insert_jit._cache_size()))
+  assert sizes == [sizes[0]] * 3, sizes
+  with pytest.raises(ValueError, match="at most prefill_chunk_size=8"):
+    eng.prefill_batch(
+      params,
+      [PROMPTS[11]],
+      num_samples=[1],
+      sampler=[SAMPLED],
+      rng=request_key(0, 0)[None],
+      max_new_tokens=[4],
+      stop_token_ids=[()],
+    )
+  with pytest.raises(ValueError, match="one sampler and one"):
+    eng.prefill_batch(
+      params,
+      [PROMPTS[10]],
+      num_samples=[2],
+      sampler=[SAMPLED],
+      rng=request_key(0, 0)[None],
+      max_new_tokens=[4],
+      stop_token_ids=[()],
+    )
+
+
 def test_out_of_pages_and_bad_requests():
   _, _, params = _model()
   eng = _engine(3, 8, 6)  # 6 pages of 4 tokens
