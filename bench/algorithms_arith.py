@@ -89,7 +89,7 @@ def warm_start_key(cfg: Config) -> dict:
     "eval": dataclasses.asdict(cfg.eval),
     "rl.max_prompt_len": cfg.rl.max_prompt_len,
     "rl.max_new_tokens": cfg.rl.max_new_tokens,
-    "rl.rollout.sampler": cfg.rl.rollout.sampler,
+    "rl.rollout.batching": cfg.rl.rollout.batching,
   }
 
 

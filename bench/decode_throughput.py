@@ -123,7 +123,7 @@ def _timed(fn: Callable[[], np.ndarray], warmup: int, reps: int) -> tuple[list[f
 
 def run_jaxrl(w: Workload) -> PeerResult:
   """jaxrl v0 sampler: one jitted prefill + while_loop decode over a fixed-size KV cache."""
-  from jaxrl.rollout.sampler import make_sampler, row_keys
+  from jaxrl.rollout.reference import make_sampler, row_keys
   from jaxrl.rollout.sampling import SamplingParams
 
   b, p = w.prompts.shape

@@ -64,9 +64,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     warmup_steps=10,
     grad_clip=1.0,
     num_microbatches=8,
-    rollout=dict(sampler="engine", slots=0, page_size=16, steps_per_call=16, quantize="none"),
+    rollout=dict(batching="continuous", slots=0, page_size=16, steps_per_call=16, quantize="none"),
   )
-  c.eval = dict(every=25, num_examples=512, batch_size=128)
+  c.eval = dict(every=25, num_examples=512)
   c.checkpoint = dict(every=25, max_to_keep=2)
   c.log = dict(progress=True, tensorboard=True)
 
@@ -85,7 +85,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.rl.learning_rate = 1e-4
     c.rl.num_microbatches = 1
     c.rl.rollout.steps_per_call = 8
-    c.eval = dict(every=3, num_examples=8, batch_size=8)
+    c.eval = dict(every=3, num_examples=8)
     c.checkpoint = dict(every=3, max_to_keep=1)
   elif arg:
     raise ValueError(f"unknown config variant {arg!r}; valid: '' (full) or 'smoke'")

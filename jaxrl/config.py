@@ -118,10 +118,15 @@ class DynamicSamplingConfig:
 
 @dataclasses.dataclass(frozen=True)
 class RolloutConfig:
-  """How RL samples: the continuous-batching engine (paged KV, one prefill per group) or the
-  v0 static sampler (one jitted prefill + decode loop over a contiguous cache)."""
+  """How RL samples, always through the engine (paged KV, one prefill per group, prompts of one
+  length bucket prefilled in one call): `batching` is its admission policy."""
 
-  sampler: str = _field("engine", choices=("engine", "static"))
+  batching: str = _field(
+    "continuous",
+    choices=("continuous", "static"),
+    help="continuous refills a slot as soon as its sequence ends; static admits a new batch "
+    "only when the whole previous one has ended (the same tokens, a baseline)",
+  )
   slots: int = _field(0, lo=0, help="engine decode slots; 0 = every sample of a step at once")
   page_size: int = _field(16, lo=1)
   num_pages: int = _field(0, lo=0, help="KV page budget; 0 = enough for every slot")
@@ -231,8 +236,14 @@ class DistillConfig:
 @dataclasses.dataclass(frozen=True)
 class EvalConfig:
   every: int = _field(10, lo=0, help="0 = only before and after RL")
-  num_examples: int = _field(256, lo=1)
-  batch_size: int = _field(128, lo=1)
+  num_examples: int = _field(256, lo=1, help="held-out prompts, decoded greedily all at once")
+  num_samples: int = _field(
+    0,
+    lo=0,
+    help="also sample this many completions per held-out prompt at rl.temperature: "
+    "eval/sampled_accuracy, the expected reward RL maximises (greedy accuracy can sit at its "
+    "ceiling while it still moves); 0 = off",
+  )
 
 
 @dataclasses.dataclass(frozen=True)

@@ -257,7 +257,8 @@ def _run_one(
 
 
 def _accuracies(run: dict) -> str:
-  return ", ".join(f"{m} {fmt(m, metric_value(run, m))}" for m in METRICS[:4])
+  shown = [m for m in METRICS if m != "wall_s" and metric_value(run, m) is not None]
+  return ", ".join(f"{m} {fmt(m, metric_value(run, m))}" for m in shown)
 
 
 def run_sweep(

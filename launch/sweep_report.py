@@ -11,7 +11,18 @@ import numpy as np
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-METRICS = ("accuracy_init", "accuracy_after_sft", "accuracy_after_rl", "rl_gain", "wall_s")
+METRICS = (
+  "accuracy_init",
+  "accuracy_after_sft",
+  "accuracy_after_rl",
+  "rl_gain",
+  "sampled_accuracy_after_sft",
+  "sampled_accuracy_after_rl",
+  "sampled_rl_gain",
+  "wall_s",
+)
+# after_rl - after_sft, of greedy and of sampled (eval.num_samples > 0) held-out accuracy.
+GAINS = {"rl_gain": "accuracy", "sampled_rl_gain": "sampled_accuracy"}
 # Accuracies are multiples of 1/num_examples, but a gain is a difference of two floats.
 TIE_TOL = 1e-9
 
@@ -145,9 +156,10 @@ def make_record(
   curve, sft_end = eval_curve(metrics)
   summary = summary or {}
   ok = returncode == 0 and "accuracy_after_rl" in summary
-  gain = None
-  if "accuracy_after_rl" in summary and "accuracy_after_sft" in summary:
-    gain = summary["accuracy_after_rl"] - summary["accuracy_after_sft"]
+  gains = {}
+  for name, acc in GAINS.items():
+    after, before = summary.get(f"{acc}_after_rl"), summary.get(f"{acc}_after_sft")
+    gains[name] = None if after is None or before is None else after - before
   record = {
     **ident,
     "seed": seed,
@@ -157,7 +169,7 @@ def make_record(
     "ok": ok,
     "wall_s": wall_s,
     "summary": summary,
-    "rl_gain": gain,
+    **gains,
     "eval_curve": curve,
     "sft_end_step": sft_end,
   }
@@ -170,7 +182,7 @@ def metric_value(run: dict, metric: str) -> float | None:
   """A run's value of one of METRICS, or None if the run failed or lacks it."""
   if not run.get("ok"):
     return None
-  v = run.get("rl_gain") if metric == "rl_gain" else run.get("summary", {}).get(metric)
+  v = run.get(metric) if metric in GAINS else run.get("summary", {}).get(metric)
   return float(v) if isinstance(v, int | float) and math.isfinite(v) else None
 
 
@@ -240,7 +252,7 @@ def fmt(metric: str, v: float | None, *, spread: bool = False) -> str:
     return "n/a"
   if metric == "wall_s":
     return f"{v:.1f}"
-  return f"{v:+.3f}" if metric == "rl_gain" and not spread else f"{v:.3f}"
+  return f"{v:+.3f}" if metric in GAINS and not spread else f"{v:.3f}"
 
 
 def _config_label(ident: dict) -> str:

@@ -40,7 +40,6 @@ def _config(workdir, **model):
   c.rl.entropy_coef = 0.01
   c.rl.warmup_steps = 0
   c.eval.num_examples = 8
-  c.eval.batch_size = 8
   c.log.tensorboard = False
   c.log.progress = False
   c.checkpoint.every = 1

@@ -51,12 +51,15 @@ with open(os.path.join(workdir, "summary.json"), "w") as f:
 """
 
 
-def _fake_run(out: Path, isa: str, seed: int, *, sft=None, rl=None, curve=None, rc=0):
-  """Writes OUT/runs/<isa>_seed<seed>.json as a finished run would have."""
+def _fake_run(out: Path, isa: str, seed: int, *, sft=None, rl=None, curve=None, rc=0, sampled=None):
+  """Writes OUT/runs/<isa>_seed<seed>.json as a finished run would have; `sampled`: the sampled
+  accuracies (after SFT, after RL) of a run with eval.num_samples > 0."""
   summary = {}
   if rc == 0:
     summary = {"accuracy_init": 0.0, "accuracy_after_sft": sft, "accuracy_after_rl": rl}
     summary["wall_s"] = 10.0 + seed
+    if sampled is not None:
+      summary["sampled_accuracy_after_sft"], summary["sampled_accuracy_after_rl"] = sampled
   steps = curve or [4, 6, 8]
   metrics = [{"step": 4, "phase": "sft", "global_step": 4, "eval/accuracy": sft}] if rc == 0 else []
   metrics += [
@@ -172,7 +175,25 @@ def test_run_records_hold_the_eval_curve_and_the_gain(tmp_path):
   assert run["eval_curve"] == [[4, 0.8], [6, 0.9], [8, 0.9]]
   assert run["sft_end_step"] == 4
   assert run["rl_gain"] == pytest.approx(0.1)
+  assert run["sampled_rl_gain"] is None  # eval.num_samples was 0
   assert run["ok"] and "log_tail" not in run
+
+
+def test_sampled_accuracy_gain_is_summarized_beside_the_greedy_one(tmp_path):
+  # Greedy accuracy at its ceiling after SFT; the sampled one is what RL still moves.
+  _fake_run(tmp_path, "native", 0, sft=1.0, rl=1.0, sampled=(0.80, 0.95))
+  _fake_run(tmp_path, "native", 1, sft=0.9, rl=0.92, sampled=(0.70, 0.80))
+  run0 = load_runs(tmp_path)[0]
+  assert run0["rl_gain"] == 0.0 and run0["sampled_rl_gain"] == pytest.approx(0.15)
+  metrics = summarize_runs(load_runs(tmp_path))["groups"]["native"]["metrics"]
+  gain = metrics["sampled_rl_gain"]
+  assert gain["n"] == 2 and gain["mean"] == pytest.approx(0.125)
+  assert gain["min"] == pytest.approx(0.10) and gain["max"] == pytest.approx(0.15)
+  # Two values 0.05 apart: sample std sqrt(2 * 0.025**2 / 1); t(0.975, df=1) = 12.7062.
+  half = 12.7062 * math.sqrt(2 * 0.025**2) / math.sqrt(2)
+  assert gain["ci95"] == pytest.approx([0.125 - half, 0.125 + half], abs=1e-4)
+  assert metrics["sampled_accuracy_after_sft"]["mean"] == pytest.approx(0.75)
+  assert "| native | sampled_rl_gain | 2 | +0.125 |" in summarize(tmp_path)
 
 
 def test_load_runs_rejects_an_empty_dir_and_a_foreign_json(tmp_path):
@@ -407,7 +428,6 @@ def test_end_to_end_smoke_run_then_skip(tmp_path, monkeypatch, capsys):
     "rl.group_size=2",
     "eval.every=1",
     "eval.num_examples=16",
-    "eval.batch_size=16",
     "checkpoint.every=1",
     "log.tensorboard=False",
   ]:

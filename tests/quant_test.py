@@ -23,9 +23,10 @@ from jaxrl.quant import (
   quantize_int8,
   quantize_params,
 )
+from jaxrl.rollout.collect import left_pad
 from jaxrl.rollout.driver import Driver, Request
 from jaxrl.rollout.engine import Engine
-from jaxrl.rollout.sampler import left_pad, make_sampler, row_keys
+from jaxrl.rollout.reference import make_sampler, row_keys
 from jaxrl.rollout.sampling import SamplingParams
 
 apply = jax.jit(_apply, static_argnums=0)

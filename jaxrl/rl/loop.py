@@ -2,8 +2,9 @@
 
 One step: prompts (grain) -> sampler(params = the learner's param pytree) -> rewards -> group
 advantages -> TrainBatch -> train_step (jitted once, state donated). The sampler is the
-continuous-batching engine (`rl.rollout.sampler="engine"`: one prefill per group, paged KV) or
-the v0 static sampler; the model, tokenizer and task come from `jaxrl.rl.components`.
+continuous-batching engine (jaxrl.rollout.collect.GroupSampler: paged KV, one prefill per group,
+`rl.rollout.batching` its admission policy); the model, tokenizer and task come from
+`jaxrl.rl.components`.
 Checkpoints carry params, optimizer state, step, RNG and the data-iterator position, so a resumed
 run repeats an uninterrupted one bit for bit on CPU.
 """
@@ -40,9 +41,11 @@ from jaxrl.rl.shaping import overlong_penalty, truncation_keep
 from jaxrl.rl.teacher import Teacher
 from jaxrl.rl.train_step import init_state, make_optimizer, make_train_step
 from jaxrl.rl.value import TOKEN_ESTIMATORS
-from jaxrl.rollout.collect import GroupSampler
-from jaxrl.rollout.sampler import left_pad, make_sampler, row_keys
+from jaxrl.rollout.collect import GroupSampler, left_pad
 from jaxrl.rollout.sampling import SamplingParams
+
+# The run-seed part of the sampled evaluation's engine seed (RL rounds use (step, round)).
+EVAL_SEED = 2**31 - 1
 
 
 class Trainer:
@@ -74,39 +77,27 @@ class Trainer:
     self.sampling = SamplingParams(rl.temperature, rl.top_k, rl.top_p)
     self.greedy = SamplingParams(temperature=0.0)
     ro = rl.rollout
-    if ro.sampler == "engine":
-      # The continuous-batching engine: one prefill per group, paged KV, all stop ids.
-      slots = ro.slots or max(rl.prompts_per_step * rl.group_size, cfg.eval.batch_size)
-      self.group_sampler = GroupSampler(
-        self.model_cfg,
-        self.graphdef,
-        prompt_len=rl.max_prompt_len,
-        max_new_tokens=rl.max_new_tokens,
-        eos_ids=tok.eos_ids,
-        pad_id=tok.pad_id,
-        sampling=self.sampling,
-        max_concurrent_decodes=slots,
-        num_pages=ro.num_pages or None,
-        page_size=ro.page_size,
-        steps_per_call=ro.steps_per_call,
-        tokenizer=tok,
-        mesh=self.mesh,
-        rules=self.rules,
-      )
-    else:
-      # The v0 static sampler: one jitted prefill + decode loop; stops on tok.eos_id only.
-      sample_kw = dict(
-        prompt_len=rl.max_prompt_len,
-        max_new_tokens=rl.max_new_tokens,
-        eos_id=tok.eos_id,
-        pad_id=tok.pad_id,
-      )
-      self.sample_fn = make_sampler(
-        self.graphdef, self.model_cfg, sampling=self.sampling, **sample_kw
-      )
-      self.greedy_fn = make_sampler(
-        self.graphdef, self.model_cfg, sampling=self.greedy, **sample_kw
-      )
+    # The one rollout path: the engine, for RL rounds and greedy evaluation alike (paged KV,
+    # a group prefilled once, every EOS id a stop, prompts of one length bucket prefilled in
+    # one call). By default every sample of a step (and every held-out prompt) gets a slot.
+    slots = ro.slots or max(rl.prompts_per_step * rl.group_size, cfg.eval.num_examples)
+    self.group_sampler = GroupSampler(
+      self.model_cfg,
+      self.graphdef,
+      prompt_len=rl.max_prompt_len,
+      max_new_tokens=rl.max_new_tokens,
+      eos_ids=tok.eos_ids,
+      pad_id=tok.pad_id,
+      sampling=self.sampling,
+      max_concurrent_decodes=slots,
+      num_pages=ro.num_pages or None,
+      page_size=ro.page_size,
+      steps_per_call=ro.steps_per_call,
+      batching=ro.batching,
+      tokenizer=tok,
+      mesh=self.mesh,
+      rules=self.rules,
+    )
     if ro.quantize != "none":
       # Quantize-on-sync: int8 copies of the projection weights per step (a quarter of their
       # float32 bytes); every other leaf is the learner's own array, as without quantization.
@@ -240,37 +231,29 @@ class Trainer:
     )
 
   def evaluate(self, params) -> dict:
-    """Greedy held-out accuracy with the same sampler code path (temperature 0)."""
-    bs = self.cfg.eval.batch_size
+    """Greedy held-out accuracy through the rollout engine (temperature 0)."""
     recs = self.held_out
-    correct, lengths = [], []
-    if self.cfg.rl.rollout.sampler == "engine":
-      # Every held-out prompt at once: the driver queues what does not fit the slots.
+    # Every held-out prompt at once: the driver queues what does not fit the slots.
+    out, _ = self.group_sampler(
+      params, self._encode(recs), group_size=1, seed=self._seed(), sampling=self.greedy
+    )
+    texts = self._completions(out.tokens, out.lengths)
+    r, _ = rewards.compute_rewards(self.reward_fn, texts, recs, on_error=self.cfg.reward.on_error)
+    ev = {
+      "eval/accuracy": float(np.mean(r)),
+      "eval/response_length": float(np.mean(out.lengths)),
+    }
+    k = self.cfg.eval.num_samples
+    if k:
+      # The same seed at every evaluation: the curve compares policies on the same draws.
       out, _ = self.group_sampler(
-        params, self._encode(recs), group_size=1, seed=self._seed(), sampling=self.greedy
+        params, self._encode(recs), group_size=k, seed=self._seed(EVAL_SEED), sampling=self.sampling
       )
       texts = self._completions(out.tokens, out.lengths)
-      r, _ = rewards.compute_rewards(self.reward_fn, texts, recs, on_error=self.cfg.reward.on_error)
-      return {
-        "eval/accuracy": float(np.mean(r)),
-        "eval/response_length": float(np.mean(out.lengths)),
-      }
-    for i in range(0, len(recs), bs):
-      chunk = recs[i : i + bs]
-      padded = chunk + [chunk[0]] * (bs - len(chunk))  # fixed shape: compile once
-      toks, mask = self._prompts(padded)
-      keys = row_keys(self.base_key, np.arange(bs))
-      out = jax.device_get(self.greedy_fn(params, toks, mask, keys))
-      texts = self._completions(out.tokens, out.lengths)[: len(chunk)]
-      r, _ = rewards.compute_rewards(
-        self.reward_fn, texts, chunk, on_error=self.cfg.reward.on_error
-      )
-      correct.extend(r.tolist())
-      lengths.extend(out.lengths[: len(chunk)].tolist())
-    return {
-      "eval/accuracy": float(np.mean(correct)),
-      "eval/response_length": float(np.mean(lengths)),
-    }
+      rows = [rec for rec in recs for _ in range(k)]
+      r, _ = rewards.compute_rewards(self.reward_fn, texts, rows, on_error=self.cfg.reward.on_error)
+      ev["eval/sampled_accuracy"] = float(np.mean(r))
+    return ev
 
   # ------------------------------------------------------------------------------------ phases
 
@@ -337,6 +320,8 @@ class Trainer:
     self.sft_params = state.params
     ev = self.evaluate(self.sft_params)
     self.summary["accuracy_after_sft"] = ev["eval/accuracy"]
+    if "eval/sampled_accuracy" in ev:
+      self.summary["sampled_accuracy_after_sft"] = ev["eval/sampled_accuracy"]
     self.metrics.write(cfg.steps, {**ev, "global_step": cfg.steps}, phase="sft")
     meta = {"data": it.get_state(), "phase": "sft", "summary": dict(self.summary)}
     self.sft_ckpt.save(cfg.steps, {"train": state}, meta, force=True)
@@ -359,28 +344,17 @@ class Trainer:
     """Sample group_size completions per prompt with the learner's params and score them."""
     g = self.cfg.rl.group_size
     group_records = [r for r in records for _ in range(g)]
-    if self.cfg.rl.rollout.sampler == "engine":
-      # The learner's own param pytree goes in (unless quantized): no copy, no sync. One
-      # prefill per group.
-      rollout, engine_stats = self.group_sampler(
-        self.rollout_params(step),
-        self._encode(records),
-        group_size=g,
-        seed=self._seed(step, rnd),
-        version=step,
-      )
-      self._engine_stats = engine_stats
-      host = rollout
-    else:
-      toks, mask = self._prompts(group_records)
-      b = len(group_records)
-      key = jax.random.fold_in(self.base_key, step)
-      if rnd:  # round 0 keeps the keys of a run without dynamic sampling
-        key = jax.random.fold_in(key, rnd)
-      keys = row_keys(key, np.arange(b))
-      # The learner's own param pytree goes in (unless quantized): no copy, no sync.
-      rollout = self.sample_fn(self.rollout_params(step), toks, mask, keys, step)
-      host = jax.device_get(rollout)
+    # The learner's own param pytree goes in (unless quantized): no copy, no sync.
+    rollout, engine_stats = self.group_sampler(
+      self.rollout_params(step),
+      self._encode(records),
+      group_size=g,
+      seed=self._seed(step, rnd),
+      version=step,
+    )
+    for k, v in engine_stats.items():  # summed over a step's rounds (dynamic sampling)
+      self._engine_stats[k] = self._engine_stats.get(k, 0.0) + float(v)
+    host = rollout
     texts = self._completions(host.tokens, host.lengths)
     r, n_err = rewards.compute_rewards(
       self.reward_fn, texts, group_records, on_error=self.cfg.reward.on_error
@@ -400,6 +374,7 @@ class Trainer:
     """
     rl = self.cfg.rl
     g, ds = rl.group_size, rl.dynamic_sampling
+    self._engine_stats = {}
     rollout, host, r, n_err = self._rollout_round(step, 0, records)
     row_weight = np.ones(r.shape, np.float32)
     stats = {}
@@ -481,8 +456,7 @@ class Trainer:
       "rl/truncated_frac": float(host.truncated.mean()),
       **stats,
     }
-    if self.cfg.rl.rollout.sampler == "engine":
-      stats.update({f"rollout/{k}": float(v) for k, v in self._engine_stats.items()})
+    stats.update({f"rollout/{k}": v for k, v in self._engine_stats.items()})
     return batch, stats
 
   def run_rl(self, until: int | None = None) -> None:
@@ -512,6 +486,10 @@ class Trainer:
       self.summary.update(meta.get("summary", {}))
       self.metrics.truncate_after("rl", start + 1)
       self.log(f"[jaxrl] resumed RL from step {start} in {self.rl_ckpt.directory}")
+    if self.cfg.eval.num_samples and "sampled_accuracy_after_sft" not in self.summary:
+      # A warm-start made without it (eval.num_samples was 0 then): measured here, once.
+      ev = self.evaluate(self.sft_params)
+      self.summary["sampled_accuracy_after_sft"] = ev["eval/sampled_accuracy"]
     stop = rl.steps if until is None else min(until, rl.steps)
     progress = Progress(total=rl.steps, desc="grpo", enabled=self.cfg.log.progress, initial=start)
     offset = self.cfg.sft.steps
@@ -524,6 +502,10 @@ class Trainer:
       m.update(stats, **{"time/rollout_s": t1 - t0, "time/train_s": time.perf_counter() - t1})
       if self.cfg.eval.every and done % self.cfg.eval.every == 0 or done == rl.steps:
         m.update(self.evaluate(self.state.params))
+      if done == rl.steps:
+        self.summary["accuracy_after_rl"] = m["eval/accuracy"]
+        if "eval/sampled_accuracy" in m:
+          self.summary["sampled_accuracy_after_rl"] = m["eval/sampled_accuracy"]
       self.metrics.write(done, {**m, "global_step": offset + done}, phase="rl")
       shown = {"reward": stats["rl/reward_mean"]}
       if "eval/accuracy" in m:
@@ -531,8 +513,12 @@ class Trainer:
       progress.update(1, **shown)
       self._save_rl(done, it, force=done == stop)
     progress.close()
-    if stop == rl.steps:
-      self.summary["accuracy_after_rl"] = self.evaluate(self.state.params)["eval/accuracy"]
+    if stop == rl.steps and "accuracy_after_rl" not in self.summary:
+      # Resumed from the final checkpoint: the loop above ran no step.
+      ev = self.evaluate(self.state.params)
+      self.summary["accuracy_after_rl"] = ev["eval/accuracy"]
+      if "eval/sampled_accuracy" in ev:
+        self.summary["sampled_accuracy_after_rl"] = ev["eval/sampled_accuracy"]
 
   def _update(self, step: int, batch) -> dict:
     """ppo_epochs passes over the rollout batch in num_minibatches shuffled optimizer updates.

@@ -1,10 +1,10 @@
 """Group rollouts for RL through the engine: prompts x G samples -> one fixed-shape `Rollout`.
 
-The RL loop asks for `G` samples of each prompt; the driver prefills each prompt once and
-decodes its samples side by side in the engine's slots (continuous batching), and the finished
-sequences come back here in request order, padded into the same `Rollout` arrays the v0 sampler
-returns (prompts left-padded to P, completions right-padded to N), so `batch.from_rollout` and
-everything after it is unchanged.
+The RL loop asks for `G` samples of each prompt; the driver prefills each prompt once (prompts of
+one length bucket in one call) and decodes its samples side by side in the engine's slots
+(continuous batching, or static admission), and the finished sequences come back here in
+request order, padded into fixed-shape `Rollout` arrays (prompts left-padded to P, completions
+right-padded to N) for `batch.from_rollout`.
 """
 
 from __future__ import annotations
@@ -18,9 +18,24 @@ from jaxrl.models.config import ModelConfig
 from jaxrl.rollout.driver import Completion, Driver, Request
 from jaxrl.rollout.engine import Engine
 from jaxrl.rollout.kv_cache import pages_for
-from jaxrl.rollout.sampler import left_pad
 from jaxrl.rollout.sampling import SamplingParams
 from jaxrl.rollout.types import FINISH_REASONS, Rollout
+
+
+def left_pad(seqs: list[list[int]], length: int, pad_id: int, *, what: str = "prompt"):
+  """Left-pad token lists to `length`: (tokens [B, length] int32, mask [B, length] bool)."""
+  tokens = np.full((len(seqs), length), pad_id, np.int32)
+  mask = np.zeros((len(seqs), length), bool)
+  for i, s in enumerate(seqs):
+    if len(s) > length:
+      raise ValueError(
+        f"{what} {i} has {len(s)} tokens, longer than the prompt bucket of {length} "
+        f"(raise rl.max_prompt_len, within the model's max_seq_len)"
+      )
+    if s:
+      tokens[i, length - len(s) :] = s
+      mask[i, length - len(s) :] = True
+  return tokens, mask
 
 
 def to_rollout(
@@ -82,6 +97,7 @@ class GroupSampler:
     num_pages: int | None = None,
     page_size: int = 16,
     steps_per_call: int = 8,
+    batching: str = "continuous",
     tokenizer=None,
     mesh=None,
     rules: Rules | str = "fsdp_tp",
@@ -104,7 +120,9 @@ class GroupSampler:
       mesh=mesh,
       rules=rules,
     )
-    self.driver = Driver(self.engine, steps_per_call=steps_per_call, eos_id=eos_ids[0])
+    self.driver = Driver(
+      self.engine, steps_per_call=steps_per_call, eos_id=eos_ids[0], batching=batching
+    )
 
   def __call__(
     self,

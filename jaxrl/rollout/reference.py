@@ -1,16 +1,16 @@
-"""Sampler v0: one jitted call does prefill and the whole decode loop over a fixed-size KV cache.
+"""The v0 static sampler, kept as a reference for tests and benchmarks: not a rollout path.
 
-The function takes `params` as an argument; in the RL loop it is handed the learner's own param
-pytree, so no weights are copied. Prompts are left-padded to a fixed bucket so that every row
-writes the same cache column at each decode step (one dynamic_update_slice, done in place).
-The continuous-batching engine (paged cache, slots) replaces this behind the same `Rollout`.
+Training samples only through the engine (jaxrl.rollout.collect.GroupSampler). This is the
+simplest correct sampler of the same model: one jitted call does prefill and the whole decode
+loop over a contiguous KV cache, prompts left-padded to one bucket so every row writes the same
+cache column at each step, stopping on one EOS id. Tests compare the engine's greedy tokens and
+log-probs against it; the decode benchmark reports it beside the engine and its peers.
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from jaxrl.models.config import ModelConfig
 from jaxrl.models.transformer import apply, init_cache, positions_from_mask
@@ -116,19 +116,3 @@ def make_sampler(
     )
 
   return jax.jit(sample)
-
-
-def left_pad(seqs: list[list[int]], length: int, pad_id: int, *, what: str = "prompt"):
-  """Left-pad token lists to `length`: (tokens [B, length] int32, mask [B, length] bool)."""
-  tokens = np.full((len(seqs), length), pad_id, np.int32)
-  mask = np.zeros((len(seqs), length), bool)
-  for i, s in enumerate(seqs):
-    if len(s) > length:
-      raise ValueError(
-        f"{what} {i} has {len(s)} tokens, longer than the prompt bucket of {length} "
-        f"(raise rl.max_prompt_len, within the model's max_seq_len)"
-      )
-    if s:
-      tokens[i, length - len(s) :] = s
-      mask[i, length - len(s) :] = True
-  return tokens, mask

@@ -15,8 +15,9 @@ from jaxrl.models.layers import project
 from jaxrl.models.transformer import apply as _apply
 from jaxrl.models.transformer import positions_from_mask
 from jaxrl.models.transformer import token_logprobs as _token_logprobs
+from jaxrl.rollout.collect import left_pad
 from jaxrl.rollout.engine import Engine, request_key
-from jaxrl.rollout.sampler import left_pad, make_sampler, row_keys
+from jaxrl.rollout.reference import make_sampler, row_keys
 from jaxrl.rollout.sampling import SamplingParams
 
 apply = jax.jit(_apply, static_argnums=0)

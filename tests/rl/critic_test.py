@@ -157,7 +157,6 @@ def _ppo_config(workdir, **rl):
   c.rl.critic = dict(warmup_steps=1, learning_rate=1e-3)
   c.eval.every = 2
   c.eval.num_examples = 16
-  c.eval.batch_size = 16
   c.checkpoint.every = 2
   c.reward.name = "ppo_starts_with_one_for_test"
   c.rl.update(rl)

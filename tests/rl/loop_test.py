@@ -12,6 +12,7 @@ import configs.grpo_arith as grpo_arith
 from jaxrl.config import RewardConfig, validate
 from jaxrl.quant import QArray, quantize_int8
 from jaxrl.rl.loop import Trainer
+from jaxrl.rollout.sampling import SamplingParams
 
 
 def _config(workdir, **rl):
@@ -24,7 +25,6 @@ def _config(workdir, **rl):
   c.rl.steps = 4
   c.eval.every = 2
   c.eval.num_examples = 16
-  c.eval.batch_size = 16
   c.checkpoint.every = 2
   c.rl.update(rl)
   return validate(c)
@@ -37,41 +37,32 @@ def _pointers(tree):
   ]
 
 
-@pytest.fixture(scope="module", params=["engine", "static"])
+@pytest.fixture(scope="module", params=["continuous", "static"])
 def run_with_spy(request, tmp_path_factory):
   cfg = _config(tmp_path_factory.mktemp("spy"), beta=0.05)
   cfg = dataclasses.replace(
     cfg,
     rl=dataclasses.replace(
-      cfg.rl, rollout=dataclasses.replace(cfg.rl.rollout, sampler=request.param)
+      cfg.rl, rollout=dataclasses.replace(cfg.rl.rollout, batching=request.param)
     ),
   )
   trainer = Trainer(cfg, log=lambda *_: None)
   seen = []
+  # Every decode step of the engine reads the params it is handed: spy on them there, and on
+  # the engine's compiled programs as the run goes.
+  engine = trainer.group_sampler.engine
+  generate = engine.generate_steps
 
-  def record(params):
+  def spy(params, *args):
     if trainer.state is not None:  # the RL phase (SFT keeps its state to itself)
       learner = trainer.state.params
       seen.append((params is learner, _pointers(params), _pointers(learner)))
+      programs = (engine._prefill_jit, engine._insert_jit)
+      trainer.compiles.append((*(p._cache_size() for p in programs), engine.generate_compiles))
+    return generate(params, *args)
 
-  if request.param == "engine":
-    # Every decode step of the engine reads the params it is handed: spy on them there.
-    engine = trainer.group_sampler.engine
-    generate = engine.generate_steps
-
-    def spy(params, *args):
-      record(params)
-      return generate(params, *args)
-
-    engine.generate_steps = spy
-  else:
-    sample = trainer.sample_fn
-
-    def spy(params, *args):
-      record(params)
-      return sample(params, *args)
-
-    trainer.sample_fn = spy
+  engine.generate_steps = spy
+  trainer.compiles = []
   trainer.run()
   yield trainer, seen
   trainer.close()
@@ -89,10 +80,15 @@ def test_steps_compile_once(run_with_spy):
   trainer, _ = run_with_spy
   assert trainer.rl_step._cache_size() == 1
   assert trainer.sft_step._cache_size() == 1
-  if trainer.cfg.rl.rollout.sampler == "engine":
-    assert trainer.group_sampler.engine.generate_compiles == 1
-  else:
-    assert trainer.greedy_fn._cache_size() == 1
+  assert trainer.group_sampler.engine.generate_compiles == 1
+  # The engine's programs on the 8-device mesh, seen at every decode call of the RL phase: one
+  # prefill and one insert per bucket (the RL rounds', the greedy and the sampled evaluation's,
+  # all met before RL's first decode call), one decode step; none added by any later step.
+  compiles = trainer.compiles
+  assert len(compiles) > trainer.cfg.rl.steps
+  assert compiles == [compiles[0]] * len(compiles), compiles
+  prefill, insert, generate = compiles[0]
+  assert prefill <= 3 and insert <= 3 and generate == 1, compiles
 
 
 def test_run_writes_metrics_checkpoints_and_plot(run_with_spy):
@@ -120,9 +116,34 @@ def test_run_writes_metrics_checkpoints_and_plot(run_with_spy):
   assert max(r["rl/logprob_gap"] for r in rl) < 1e-5
   assert "eval/accuracy" in rl[1] and "eval/accuracy" in rl[3]
   assert (wd / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-  assert json.loads((wd / "summary.json").read_text())["accuracy_after_rl"] >= 0
+  summary = json.loads((wd / "summary.json").read_text())
+  assert summary["accuracy_after_rl"] == rl[-1]["eval/accuracy"]
+  # eval.num_samples = 2 (the default config's): the sampled accuracy beside the greedy one.
+  assert trainer.cfg.eval.num_samples == 2
+  assert summary["sampled_accuracy_after_rl"] == rl[-1]["eval/sampled_accuracy"]
+  assert 0 <= summary["sampled_accuracy_after_sft"] <= 1
   assert trainer.rl_ckpt.latest_step() == 4
   assert trainer.sft_ckpt.latest_step() == 10
+
+
+def test_sampled_accuracy_at_a_vanishing_temperature_is_the_greedy_one(run_with_spy):
+  """eval/sampled_accuracy scores eval.num_samples draws per held-out prompt at the RL
+  temperature: as the temperature goes to 0 every draw is the argmax, so it equals the greedy
+  accuracy; at the run's temperature 1 the draws differ."""
+  trainer, _ = run_with_spy
+  params = trainer.state.params
+  sampling, reward_fn = trainer.sampling, trainer.reward_fn
+  # A graded score of the text itself (the tiny model's exact-match accuracy may well be 0).
+  trainer.reward_fn = lambda completion, record: sum(map(ord, completion)) % 97 / 97
+  try:
+    at_one = trainer.evaluate(params)
+    trainer.sampling = SamplingParams(temperature=1e-6)
+    cold = trainer.evaluate(params)
+  finally:
+    trainer.sampling, trainer.reward_fn = sampling, reward_fn
+  assert cold["eval/accuracy"] == at_one["eval/accuracy"]
+  assert cold["eval/sampled_accuracy"] == pytest.approx(cold["eval/accuracy"], rel=1e-6)
+  assert at_one["eval/sampled_accuracy"] != pytest.approx(at_one["eval/accuracy"], rel=1e-3)
 
 
 def test_resume_repeats_an_uninterrupted_run(tmp_path):
@@ -351,7 +372,7 @@ def test_int8_rollouts_sample_from_the_quantized_policy_and_report_the_gap(tmp_p
   """rollout.quantize='int8': the engine reads a W8A8 copy of the learner's params made at each
   step (every projection equals quantize_int8 of the learner's weight), the sampler-learner gap
   shows in rl/logprob_gap, and TIS corrects against a recomputed pi_prox."""
-  rollout = {"quantize": "int8", "sampler": "engine"}
+  rollout = {"quantize": "int8"}
   cfg = _config(tmp_path, steps=2, is_correction="tis", rollout=rollout)
   trainer = Trainer(cfg, log=lambda *_: None)
   engine = trainer.group_sampler.engine

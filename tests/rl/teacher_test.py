@@ -29,7 +29,6 @@ def _distill_config(workdir, rl=None, **distill):
   c.rl.update(rl or {})
   c.eval.every = 2
   c.eval.num_examples = 16
-  c.eval.batch_size = 16
   c.checkpoint.every = 2
   c.distill = dict(enabled=True, teacher=dict(preset="tiny", seed=7), **distill)
   return validate(c)

@@ -11,7 +11,8 @@ from jaxrl.models.transformer import make_model
 from jaxrl.rl.batch import TrainBatch
 from jaxrl.rl.objectives import GRPOLoss
 from jaxrl.rl.train_step import Optimizer, init_state, make_train_step
-from jaxrl.rollout.sampler import left_pad, make_sampler, row_keys
+from jaxrl.rollout.collect import left_pad
+from jaxrl.rollout.reference import make_sampler, row_keys
 from jaxrl.rollout.sampling import SamplingParams
 
 

@@ -9,8 +9,8 @@ from flax import nnx
 
 from jaxrl.mesh import make_mesh, shard_params
 from jaxrl.models import ModelConfig, Transformer
-from jaxrl.rollout.collect import GroupSampler
-from jaxrl.rollout.sampler import left_pad, make_sampler, row_keys
+from jaxrl.rollout.collect import GroupSampler, left_pad
+from jaxrl.rollout.reference import make_sampler, row_keys
 from jaxrl.rollout.sampling import SamplingParams
 from jaxrl.rollout.types import FINISH_REASONS, LENGTH
 
@@ -20,7 +20,7 @@ PROMPTS = [[1, 5, 9, 17], [1, 40, 41, 42, 43, 44, 45, 46], [1, 100]]
 
 @functools.cache
 def _model():
-  # Random weights drawn in numpy, far from uniform outputs (see tests/rollout/sampler_test.py).
+  # Random weights drawn in numpy, far from uniform outputs (see tests/rollout/reference_test.py).
   cfg = ModelConfig.tiny()
   graphdef, abstract = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0))))
   rng = np.random.default_rng(1)
@@ -55,7 +55,8 @@ def test_greedy_group_rollout_equals_the_v0_sampler():
   g = 2
   sampler = _group_sampler(6, SamplingParams(temperature=0.0))
   out, stats = sampler(params, PROMPTS, group_size=g, seed=0, version=5)
-  assert stats["prefill_calls"] == len(PROMPTS)  # one prefill per group
+  assert stats["prefill_prompts"] == len(PROMPTS)  # one prefill per group
+  assert stats["prefill_calls"] == 1  # every prompt in one length bucket: one call for all
   v0 = make_sampler(
     graphdef,
     cfg,
@@ -88,8 +89,16 @@ def test_sampled_rollout_does_not_depend_on_slot_count():
   wide, _ = _group_sampler(12, sampling)(params, PROMPTS, group_size=4, seed=7)
   narrow, stats = _group_sampler(5, sampling)(params, PROMPTS, group_size=4, seed=7)
   assert stats["queued_waits"] > 0  # 12 samples through 5 slots: groups waited for slots
-  for a, b in zip(wide, narrow, strict=True):
-    np.testing.assert_array_equal(a, b)
+  for name in wide._fields:
+    a, b = getattr(wide, name), getattr(narrow, name)
+    if name == "logprobs":
+      # Wide prefills the 3 prompts in one call, narrow one per call: the first tokens'
+      # log-probs come out of a 4-row and a 1-row LM-head matmul, which XLA's CPU dot rounds
+      # differently (last bits); every token, and every later log-prob, is the same.
+      np.testing.assert_allclose(a, b, atol=2e-6, rtol=0, err_msg=name)
+      np.testing.assert_array_equal(a[:, 1:], b[:, 1:], err_msg=name)
+    else:
+      np.testing.assert_array_equal(a, b, err_msg=name)
   other, _ = _group_sampler(12, sampling)(params, PROMPTS, group_size=4, seed=8)
   assert not np.array_equal(other.tokens, wide.tokens)  # the seed matters
   # Rows of a group differ (independent samples), and each row is EOS-terminated or truncated.

@@ -19,7 +19,8 @@ from flax import nnx
 from jaxrl.models import ModelConfig, Transformer
 from jaxrl.models.transformer import apply as _apply
 from jaxrl.models.transformer import token_logprobs as _token_logprobs
-from jaxrl.rollout.sampler import left_pad, make_sampler, row_keys
+from jaxrl.rollout.collect import left_pad
+from jaxrl.rollout.reference import make_sampler, row_keys
 from jaxrl.rollout.sampling import SamplingParams
 
 # Jitted: op-by-op dispatch of a whole transformer is slow on CPU. `temperature` stays traced.
