@@ -4,7 +4,8 @@ runs vs the v0 static sampler it ran before, in one process, on the same params 
 Both samplers take one step's 64 prompts x 8 samples at temperature 1 (the RL round) and the
 512 held-out prompts greedily (the evaluation; v0 in batches of 256, as the loop ran it). Times
 are wall seconds per call, blocking on the sampled arrays reaching the host (what the loop waits
-for), median of `--reps` calls after `--warmup` calls (compilation excluded). The engine's
+for), median of `--reps` calls after `--warmup` calls (compilation excluded), the peers' calls
+interleaved. The engine's
 figure includes its host bookkeeping (admission, page tables, packing the Rollout); v0's does
 not need any.
 
@@ -46,14 +47,18 @@ from jaxrl.rollout.reference import make_sampler, row_keys  # noqa: E402
 DEFAULT_OUT = BENCH_DIR / "results" / "rollout_step.json"
 
 
-def _timed(fn, warmup: int, reps: int) -> list[float]:
-  for _ in range(warmup):
-    fn()
-  out = []
+def _timed(calls: dict, warmup: int, reps: int) -> dict[str, list[float]]:
+  """Wall seconds of each call, `reps` times after `warmup` calls, interleaved (call a, call b,
+  a, b, ...) so that a drift in the machine's speed hits every peer alike."""
+  for fn in calls.values():
+    for _ in range(warmup):
+      fn()
+  out = {name: [] for name in calls}
   for _ in range(reps):
-    t0 = time.perf_counter()
-    fn()
-    out.append(time.perf_counter() - t0)
+    for name, fn in calls.items():
+      t0 = time.perf_counter()
+      fn()
+      out[name].append(time.perf_counter() - t0)
   return out
 
 
@@ -137,13 +142,12 @@ def main(argv=None) -> int:
       "engine": {"rl_round": engine_round, "eval": engine_eval},
       "v0_static": {"rl_round": v0_round, "eval": v0_eval},
     }
-    results = {}
-    for name, calls in peers.items():
-      results[name] = {}
-      for what, fn in calls.items():
-        times = _timed(fn, args.warmup, args.reps)
-        results[name][what] = {"median_s": statistics.median(times), "times_s": times}
-        print(f"{name:10s} {what:9s} {statistics.median(times) * 1e3:9.1f} ms", flush=True)
+    flat = {(name, what): fn for name, calls in peers.items() for what, fn in calls.items()}
+    timed = _timed(flat, args.warmup, args.reps)
+    results = {name: {} for name in peers}
+    for (name, what), times in timed.items():
+      results[name][what] = {"median_s": statistics.median(times), "times_s": times}
+      print(f"{name:10s} {what:9s} {statistics.median(times) * 1e3:9.1f} ms", flush=True)
     lengths = {
       "engine": float(np.mean(engine_round().lengths)),
       "v0_static": float(np.mean(v0_round().lengths)),
