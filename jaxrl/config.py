@@ -186,6 +186,15 @@ class RLConfig:
   num_minibatches: int = _field(1, lo=1, help="optimizer updates per rollout batch and epoch")
   ppo_epochs: int = _field(1, lo=1, help="passes over each rollout batch")
   entropy_coef: float = _field(0.0, lo=0.0, help="entropy bonus on completion tokens")
+  skip_zero_advantage: str = _field(
+    "off",
+    choices=("auto", "off"),
+    help="auto: where the loss is zero wherever the advantage is (no KL term in the loss, "
+    "entropy_coef 0, no off-policy correction, no distillation), the policy update runs over "
+    "only the rows with a non-zero advantage, padded to a power of two, and divides by the "
+    "whole batch's denominator: the same update for less compute where groups tie. Per-token "
+    "metrics (entropy, clip_frac, logprob_gap) then cover the rows trained (rl/trained_rows)",
+  )
   offpolicy: str = _field("none", help="a name in jaxrl.rl.offpolicy.OFFPOLICY")
   is_correction: str = _field("none", help="a name in jaxrl.rl.offpolicy.IS_CORRECTIONS")
   prox: str = _field(

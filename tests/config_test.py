@@ -112,6 +112,10 @@ def test_defaults_and_the_shipped_config_validate():
       {"rl": {"dynamic_sampling": {"rounds": 2}}},
       r"unknown field\(s\) config\.rl\.dynamic_sampling\.rounds",
     ),
+    (
+      {"rl": {"skip_zero_advantage": "on"}},
+      r"config\.rl\.skip_zero_advantage='on' is invalid; allowed: \['auto', 'off'\]",
+    ),
   ],
 )
 def test_bad_values_name_the_field(raw, message):

@@ -72,3 +72,41 @@ def supervised(prompt_tokens, prompt_mask, completions, *, max_new_tokens: int, 
   zeros = np.zeros(tokens.shape, np.float32)
   versions = np.full(tokens.shape, -1, np.int32)
   return TrainBatch(tokens, valid, loss_mask, zeros, zeros, zeros, versions)
+
+
+def gradient_rows(batch: TrainBatch) -> np.ndarray:
+  """[B] bool: the rows with a loss token whose advantage is non-zero.
+
+  With a loss that is the advantage times a factor on every token (each policy loss of
+  jaxrl.rl.losses, no KL term in the loss, no entropy bonus, no off-policy correction), the other
+  rows' loss terms and gradients are exactly zero: a group whose rewards all tie adds nothing to
+  the update but compute.
+  """
+  mask = np.asarray(batch.loss_mask) > 0
+  return np.any(mask & (np.asarray(batch.advantages) != 0), axis=1)
+
+
+def compact_rows(
+  batch: TrainBatch, keep: np.ndarray, *, multiple: int = 1, min_rows: int = 1
+) -> TrainBatch | None:
+  """The rows `keep` [B] bool first, then rows of the others with their loss masks zeroed, to a
+  power-of-two count of at least `min_rows` that is a multiple of `multiple` (so the train step
+  compiles once per count, a few counts at most, and the rows split evenly over devices and
+  micro-batches); None if that is not fewer than B.
+
+  The padding rows are real rows (finite log-probs) that the loss never reads. Their shapes
+  stay [*, T], so the train step's programs differ only in the row count.
+  """
+  keep = np.asarray(keep, bool)
+  n, k = keep.size, int(keep.sum())
+  if multiple < 1:
+    raise ValueError(f"multiple must be >= 1, got {multiple}")
+  size = 1 << max(max(k, min_rows) - 1, 0).bit_length()
+  size = max(size, multiple)
+  size = -(-size // multiple) * multiple
+  if size >= n:
+    return None
+  rows = np.concatenate([np.flatnonzero(keep), np.flatnonzero(~keep)[: size - k]])
+  out = jax.tree.map(lambda x: x[rows], batch)
+  live = jnp.asarray(np.arange(size) < k, jnp.float32)[:, None]
+  return out._replace(loss_mask=out.loss_mask * live, advantages=out.advantages * live)

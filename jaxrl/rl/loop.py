@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import time
 from pathlib import Path
 
@@ -46,6 +47,23 @@ from jaxrl.rollout.sampling import SamplingParams
 
 # The run-seed part of the sampled evaluation's engine seed (RL rounds use (step, round)).
 EVAL_SEED = 2**31 - 1
+
+
+def skips_zero_advantage_rows(cfg: Config) -> bool:
+  """Whether the policy update leaves out the rows whose advantages are all zero: with
+  rl.skip_zero_advantage='auto', where every loss term is then zero (the policy losses are the
+  advantage times a factor): no KL term in the loss, no entropy bonus, no off-policy
+  correction (some read whole-batch statistics), no distillation (the teacher's term is on
+  every token)."""
+  rl = cfg.rl
+  return (
+    rl.skip_zero_advantage == "auto"
+    and (rl.beta == 0 or rl.kl_in_reward)
+    and rl.entropy_coef == 0
+    and rl.offpolicy == "none"
+    and rl.is_correction == "none"
+    and not cfg.distill.enabled
+  )
 
 
 class Trainer:
@@ -165,9 +183,11 @@ class Trainer:
       num_microbatches=cfg.sft.num_microbatches,
       trainable=self.trainable,
     )
+    self.rl_step_loss = self.teacher.loss if self.teacher else self.grpo_loss
+    self.skip_rows = skips_zero_advantage_rows(cfg)
     self.rl_step = make_train_step(
       self.rl_opt,
-      self.teacher.loss if self.teacher else self.grpo_loss,
+      self.rl_step_loss,
       num_microbatches=rl.num_microbatches,
       trainable=self.trainable,
     )
@@ -545,13 +565,15 @@ class Trainer:
         order = np.random.default_rng([self.cfg.seed, step, epoch]).permutation(n)
       for i in range(rl.num_minibatches):
         idx = order[i * size : (i + 1) * size]
-        mb = self._shard_batch(jax.tree.map(lambda x, idx=idx: x[idx], batch))
+        sub = jax.tree.map(lambda x, idx=idx: x[idx], batch)
+        mb = self._shard_batch(sub)
         m = {}
         if self.critic is not None:
           self.critic_state, m = self.critic.step(self.critic_state, mb)
         if train_policy:
-          self.state, pm = self.rl_step(self.state, mb)
-          m = {**m, **pm}
+          policy_mb, denom = self._policy_rows(sub, mb)
+          self.state, pm = self.rl_step(self.state, policy_mb, denom)
+          m = {**m, **pm, "rl/trained_rows": policy_mb.size / size}
         history.append(m)
     history = jax.device_get(history)
     out = {k: float(np.mean([h[k] for h in history])) for k in history[0]}
@@ -561,6 +583,26 @@ class Trainer:
     out["rl/updates"] = float(len(history) if train_policy else 0)
     out.update({k: float(v) for k, v in jax.device_get(ratio_metrics).items()})
     return out
+
+  def _policy_rows(self, sub, mb):
+    """(the rows the policy step runs over, the denominator to divide by; None: the batch's).
+
+    With rl.skip_zero_advantage='auto', where that is exact (`skips_zero_advantage_rows`),
+    only the rows with a non-zero advantage go through the forward and backward pass, padded
+    to a power of two (at least 1/8 of the rows) that splits over the batch's devices and
+    micro-batches, and the step divides by the whole mini-batch's denominator: the rows left
+    out contribute exactly zero, so the update is the same up to float summation order.
+    """
+    if not self.skip_rows:
+      return mb, None
+    dp = mb.size // self.batch_sharding.shard_shape((mb.size,))[0]
+    multiple = math.lcm(dp, self.cfg.rl.num_microbatches)
+    # At least 1/8 of the rows: at most 3 more programs (1/8, 1/4, 1/2) to compile.
+    keep = batch_lib.gradient_rows(sub)
+    small = batch_lib.compact_rows(sub, keep, multiple=multiple, min_rows=mb.size // 8)
+    if small is None:
+      return mb, None
+    return self._shard_batch(small), self.rl_step_loss.denominator(mb)
 
   def _with_prox(self, step: int, batch):
     """Fill what the off-policy corrections read, and measure the IS ratio's max and p99.

@@ -5,6 +5,10 @@ whole batch) and `__call__(params, micro_batch) -> (weighted_sum, {name: (sum, c
 accumulates gradients of the weighted sums over micro-batches and divides once by the global
 denominator, so k micro-batches give exactly the gradient of one large batch.
 
+`train_step(state, batch, denom)` divides by a given denominator instead: the loop passes the
+full batch's when it trains on the rows of a batch that carry gradient (`batch.gradient_rows`),
+so dropping rows whose loss terms are all zero leaves the update as it was.
+
 `trainable` (an nnx filter, or "lora" for the adapters) limits training to part of the params:
 the gradient, the optimizer state and the update cover only those; the rest pass through as is.
 """
@@ -154,8 +158,10 @@ def make_train_step(
   if num_microbatches < 1:
     raise ValueError(f"num_microbatches must be >= 1, got {num_microbatches}")
 
-  def step_fn(state: TrainState, batch):
-    denom = jnp.maximum(loss.denominator(batch), 1.0)
+  def step_fn(state: TrainState, batch, denom=None):
+    if denom is None:
+      denom = loss.denominator(batch)
+    denom = jnp.maximum(denom, 1.0)
     trained, frozen = split_trainable(state.params, trainable)
 
     def full(p):
@@ -207,12 +213,14 @@ class _PinnedStep:
     self._donate = (0,) if donate else ()
     self._jitted = None
 
-  def __call__(self, state, batch):
+  def __call__(self, state, batch, denom=None):
     if self._jitted is None:
       self._jitted = jax.jit(
         self._fn, donate_argnums=self._donate, out_shardings=(state_shardings(state), None)
       )
-    return self._jitted(state, batch)
+    if denom is not None:
+      denom = jnp.asarray(denom, jnp.float32)
+    return self._jitted(state, batch, denom)
 
   def _cache_size(self) -> int:
     return 0 if self._jitted is None else self._jitted._cache_size()

@@ -4,7 +4,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxrl.rl.batch import TrainBatch, from_rollout, supervised
+from jaxrl.rl.batch import TrainBatch, compact_rows, from_rollout, gradient_rows, supervised
 from jaxrl.rollout.types import LENGTH, STOP, Rollout
 
 F, T_ = False, True
@@ -93,3 +93,42 @@ def test_supervised_exact_fit_and_too_long_completion():
   np.testing.assert_array_equal(batch.loss_mask, [[0, 0, 1, 1, 1]])
   with pytest.raises(ValueError, match=r"completion 1 has 4 tokens > max_new_tokens=3"):
     supervised(prompt.repeat(2, 0), pmask.repeat(2, 0), [[3], [3, 4, 5, 2]], **kw)
+
+
+def _rows_batch(b=6, t=3):
+  # Row i's tokens are all i, so a compacted batch shows which rows it took.
+  tokens = jnp.repeat(jnp.arange(b, dtype=jnp.int32)[:, None], t, axis=1)
+  mask = jnp.ones((b, t), jnp.float32).at[:, 0].set(0.0)  # column 0 is the prompt
+  adv = jnp.array([0.0, 0.5, 0.0, 0.0, -1.0, 0.0], jnp.float32)[:, None] * mask
+  zeros = jnp.zeros((b, t), jnp.float32)
+  return TrainBatch(tokens, mask > 0, mask, adv, zeros, zeros, jnp.zeros((b, t), jnp.int32))
+
+
+def test_gradient_rows_reads_advantages_on_loss_tokens_only():
+  batch = _rows_batch()
+  np.testing.assert_array_equal(gradient_rows(batch), [F, T_, F, F, T_, F])
+  # An advantage on a prompt column (loss mask 0) does not make a row live.
+  batch = batch._replace(advantages=batch.advantages.at[0, 0].set(2.0))
+  np.testing.assert_array_equal(gradient_rows(batch), [F, T_, F, F, T_, F])
+
+
+def test_compact_rows_keeps_live_rows_then_masked_padding():
+  batch = _rows_batch()
+  small = compact_rows(batch, gradient_rows(batch))
+  assert small.size == 2
+  np.testing.assert_array_equal(small.tokens[:, 0], [1, 4])
+  # multiple=4: the 2 live rows, then 2 padding rows (the first dead ones) that the loss skips.
+  small = compact_rows(batch, gradient_rows(batch), multiple=4)
+  np.testing.assert_array_equal(small.tokens[:, 0], [1, 4, 0, 2])
+  np.testing.assert_array_equal(small.loss_mask.sum(1), [2, 2, 0, 0])
+  np.testing.assert_array_equal(small.advantages[:, 1], [0.5, -1.0, 0.0, 0.0])
+  # 3 live rows pad to 4; none live still gives `multiple` rows (the optimizer must still step).
+  keep = np.array([T_, T_, T_, F, F, F])
+  np.testing.assert_array_equal(compact_rows(batch, keep).tokens[:, 0], [0, 1, 2, 3])
+  assert compact_rows(batch, np.zeros(6, bool), multiple=2).size == 2
+  assert compact_rows(batch, gradient_rows(batch), min_rows=3).size == 4
+  # Not fewer rows than the batch: nothing to gain.
+  assert compact_rows(batch, np.array([T_, T_, T_, T_, T_, F])) is None
+  assert compact_rows(batch, gradient_rows(batch), multiple=6) is None
+  with pytest.raises(ValueError, match="multiple must be >= 1"):
+    compact_rows(batch, keep, multiple=0)

@@ -409,3 +409,51 @@ def test_int8_rollouts_sample_from_the_quantized_policy_and_report_the_gap(tmp_p
   # Measured, never hidden: int8 rollouts are scored under the float learner.
   assert all(1e-4 < r["rl/logprob_gap"] < 1.0 for r in rl)
   assert all(np.isfinite(r["offpolicy/ratio_max"]) for r in rl)
+
+
+def test_skipping_zero_advantage_rows_leaves_the_update_as_it_was(tmp_path):
+  # grpo_arith's rl.skip_zero_advantage='auto': the groups whose rewards tie have zero advantage
+  # and are left out of the policy step (here 8 of 16 rows, on the 8 test devices), which divides
+  # by the whole batch's denominator. One update from the same state with and without must agree.
+  import jax.numpy as jnp
+
+  from jaxrl import rewards
+  from jaxrl.rl.train_step import init_state
+
+  @rewards.register("odd_prompts_tie_for_skip_test")
+  def odd_tie(completion, record):
+    a = int(record["prompt"].split("+")[0].split("-")[0])
+    return 0.5 if a % 2 else float(len(completion) % 2)
+
+  trainer, it, _ = _rl_trainer(tmp_path, "odd_prompts_tie_for_skip_test", warmup_steps=0)
+  assert trainer.skip_rows
+  while True:  # a batch with both kinds of group
+    batch, _ = trainer.rl_batch(0, next(it))
+    live = np.abs(np.asarray(batch.advantages)).reshape(4, -1).max(1) > 0
+    if 0 < live.sum() <= 2:
+      break
+  fresh = jax.tree.map(jnp.copy, trainer.init_params)
+  trainer.state = init_state(jax.tree.map(jnp.copy, fresh), trainer.rl_opt)
+  skipped = trainer._update(0, batch)
+  params_skipped = jax.device_get(trainer.state.params)
+  assert skipped["rl/trained_rows"] == 0.5  # 8 of the 16 rows: the live ones, padded
+  trainer.skip_rows = False
+  trainer.state = init_state(jax.tree.map(jnp.copy, fresh), trainer.rl_opt)
+  full = trainer._update(0, batch)
+  params_full = jax.device_get(trainer.state.params)
+  assert "rl/trained_rows" in full and full["rl/trained_rows"] == 1.0
+  assert trainer.rl_step._cache_size() == 2  # one program per row count
+  np.testing.assert_allclose(skipped["opt/grad_norm"], full["opt/grad_norm"], rtol=1e-5)
+  assert skipped["opt/loss_tokens"] == full["opt/loss_tokens"]
+
+  def leaf_diffs(x, y):
+    return [np.abs(a - b) for a, b in zip(jax.tree.leaves(x), jax.tree.leaves(y), strict=True)]
+
+  diffs = leaf_diffs(params_skipped, params_full)
+  moved = leaf_diffs(params_full, fresh)
+  step = max(m.max() for m in moved)
+  assert step == pytest.approx(trainer.cfg.rl.learning_rate, rel=1e-3)  # Adam: lr * g / |g|
+  # Adam's first update is lr * g / (|g| + eps): the two gradients differ only by float
+  # summation order (train_step_test bounds that), which moves no parameter by 0.1% of a step.
+  assert max(d.max() for d in diffs) <= 1e-3 * step
+  trainer.close()

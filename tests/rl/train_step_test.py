@@ -12,7 +12,7 @@ from flax import nnx
 from jaxrl.models import ModelConfig, Transformer, make_model
 from jaxrl.models.lora import merge_lora, split_lora
 from jaxrl.models.transformer import apply, positions_from_mask, token_logprobs
-from jaxrl.rl.batch import TrainBatch
+from jaxrl.rl.batch import TrainBatch, compact_rows, gradient_rows
 from jaxrl.rl.objectives import GRPOLoss
 from jaxrl.rl.train_step import Optimizer, init_state, make_optimizer, make_train_step
 
@@ -122,6 +122,51 @@ def test_microbatch_accumulation_equals_one_batch(model, loss, step1):
     np.testing.assert_allclose(m4[k], m1[k], rtol=1e-5, atol=1e-7, err_msg=k)
   # The batch really exercised both PPO branches and the KL term.
   assert 0 < float(m1["rl/clip_frac"]) < 1 and float(m1["rl/kl"]) > 0
+
+
+@pytest.mark.parametrize(
+  "policy_loss,aggregation",
+  [
+    ("ppo_clip", "token-mean"),
+    ("gspo", "seq-mean-token-mean"),
+    ("cispo", "seq-mean-token-sum"),
+  ],
+)
+def test_training_only_rows_with_advantage_gives_the_same_update(model, policy_loss, aggregation):
+  # rl.skip_zero_advantage: the rows whose advantages are all zero (a group whose rewards tie)
+  # are left out of the forward and backward pass and the step divides by the whole batch's
+  # denominator. Without a KL or entropy term every loss is zero there, so the update must be
+  # the full batch's, up to the order float32 sums it in.
+  graphdef, params = model
+  batch = make_batch(graphdef, params, seed=5)
+  dead = np.array([1, 0, 1, 1, 0, 1, 1, 0], bool)
+  batch = batch._replace(advantages=jnp.where(dead[:, None], 0.0, batch.advantages))
+  keep = gradient_rows(batch)
+  np.testing.assert_array_equal(keep, ~dead)
+  small = compact_rows(batch, keep, multiple=2)
+  assert small.size == 4  # 3 live rows, padded to a power of two
+  loss = GRPOLoss(graphdef, policy_loss=policy_loss, aggregation=aggregation, eps_high=0.28)
+  step = make_train_step(SGD, loss)
+  s_full, m_full = step(fresh_state(params), batch)
+  s_small, m_small = step(fresh_state(params), small, loss.denominator(batch))
+  assert step._cache_size() == 2  # one program per row count
+  u_full, u_small = tree_diff(s_full.params, params), tree_diff(s_small.params, params)
+  assert tree_max_abs(u_full) > 1e-3
+  # The same bound as for micro-batches above: the same non-zero terms, summed in another order.
+  n = B * T
+  gamma = n * 2.0**-24 / (1 - n * 2.0**-24)
+  denom = float(loss.denominator(batch))
+  abs_terms = per_token_abs_grad(loss, params, batch)
+  for d, a in zip(
+    jax.tree.leaves(tree_diff(u_small, u_full)), jax.tree.leaves(abs_terms), strict=True
+  ):
+    assert np.max(np.abs(d)) <= 2 * gamma * np.max(a) / denom
+  assert float(m_small["opt/loss_tokens"]) == float(m_full["opt/loss_tokens"]) == denom
+  np.testing.assert_allclose(m_small["opt/grad_norm"], m_full["opt/grad_norm"], rtol=1e-5)
+  # Leaving out a live row changes the update: the test can tell.
+  wrong = compact_rows(batch, np.arange(B) == 1, multiple=1)
+  s_wrong, _ = step(fresh_state(params), wrong, loss.denominator(batch))
+  assert tree_max_abs(tree_diff(tree_diff(s_wrong.params, params), u_full)) > 1e-3
 
 
 def test_update_is_the_gradient_of_the_token_mean_loss(model, loss, step1):
