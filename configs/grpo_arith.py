@@ -10,7 +10,7 @@ accuracy 0.00 at init; after the 1,200-step SFT warm-start 0.966 (0.904-1.000); 
 steps through the engine 0.975 (0.936-0.998) (mean, min-max). GRPO's gain over the warm-start
 is largest on the seed whose warm-start ended lowest (+0.031, or +0.004 when its float sums run
 in another order); elsewhere it is within evaluation noise (-0.002 to +0.006): the task is
-nearly saturated. About 8.5 minutes on 2 cores (seed 0). The same seed repeats bit
+nearly saturated. 8.5-10.5 minutes on 2 cores (seeds 0 and 1). The same seed repeats bit
 for bit on the same CPU type. `:smoke` takes well under a minute and only checks that
 everything moves.
 """
