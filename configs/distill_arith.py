@@ -1,7 +1,7 @@
 """On-policy distillation on byte-level arithmetic: the warm-started model learns from the
 GRPO-trained grpo_arith model on its own samples, instead of from rewards.
 
-On-policy distillation (Agarwal et al. 2024, GKD, arXiv 2306.13649; seed-techniques 3.13): the
+On-policy distillation (Agarwal et al. 2024, GKD, arXiv 2306.13649): the
 student samples completions, the teacher scores every sampled token, and the student minimises
 the per-token reverse KL(student || teacher) on its own samples: a dense, per-token signal where
 GRPO has one 0/1 reward per completion. Student: grpo_arith's 900-step SFT warm-start (the same

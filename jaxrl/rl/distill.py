@@ -3,7 +3,7 @@
 The teacher runs outside the train step (like the reference model), on the same mesh, and its
 scores travel in the batch: the log-prob of every sampled token and its top-k next-token
 distribution. Two per-token objectives (Agarwal et al. 2024, "On-Policy Distillation of Language
-Models", GKD, arXiv 2306.13649; seed-techniques 3.13):
+Models", GKD, arXiv 2306.13649):
 - reverse KL, KL(pi_s || pi_t), estimated on the student's own samples: its score-function
   gradient is sg(log pi_s(y_t) - log pi_t(y_t)) * grad log pi_s(y_t) (mode seeking);
 - forward KL on the teacher's top-k, sum_k p_t(k) (log p_t(k) - log pi_s(k)), teacher renormalised
@@ -158,7 +158,7 @@ def prefix_alignment(loss: DistillLoss, params, batch: DistillBatch, window) -> 
 
 @dataclasses.dataclass
 class AdaptiveWindow:
-  """ADWIN's adaptive supervision horizon (seed-abstracts line 27), as a host-side controller.
+  """ADWIN's adaptive supervision horizon (on-policy distillation over a useful supervision horizon), as a host-side controller.
 
   Training steps supervise only the first `window` completion tokens; every `probe_every` steps
   a full-rollout probe measures how well the prefix gradient points along the full-rollout

@@ -54,7 +54,7 @@ def dual_clip(
   for A < 0 the objective max(min(ratio A, clip(ratio) A), c A) also bounds the loss by -c A, so a
   huge ratio on a bad (often stale, off-policy) token cannot blow the loss up. For A >= 0 it is
   ppo_clip exactly. clip_c > 1. clipped marks tokens where either clip is the active branch.
-  TBPO/QaRL (seed-abstracts line 131) uses it for low-precision rollouts.
+  TBPO/QaRL uses it for low-precision rollouts.
   """
   del mask
   if not clip_c > 1.0:
@@ -122,7 +122,7 @@ def aggregate(per_token, mask, mode: str = "token-mean", *, max_tokens: int | No
   - seq-mean-token-sum: mean over sequences of each sequence's token sum.
   - seq-mean-token-sum-norm: token sums divided by the constant max_tokens, then the mean over
     sequences (Dr.GRPO, Liu et al. 2025, arXiv 2503.20783: a constant normaliser has no length
-    bias; seed-techniques 3.4, the 1/k normaliser of seed-abstracts line 103).
+    bias).
   For the seq-mean modes the denominator counts sequences with at least one valid token.
   """
   m = jnp.asarray(mask).astype(jnp.float32)

@@ -66,7 +66,7 @@ def no_is(log_rho, mask, **_):
 @IS_CORRECTIONS.register("tis")
 def tis(log_rho, mask, *, is_cap: float = 2.0, **_):
   """Truncated importance sampling, token level (Yao et al. 2025, "Your Efficient RL Framework
-  Secretly Brings You Off-Policy RL Training"; DART, seed-abstracts line 29): w_t = min(rho_t, C),
+  Secretly Brings You Off-Policy RL Training"; DART): w_t = min(rho_t, C),
   rho_t = pi_anchor / pi_behav, stop-gradient. Truncation bounds the variance a single token with a
   huge sampler-learner mismatch can add; C >= 1 leaves on-policy tokens (rho = 1) untouched.
   """
@@ -120,7 +120,7 @@ def no_offpolicy(logp, behav, mask, advantages, *, prox=None, eps_low=0.2, eps_h
 
 def interpolated_prox(logp, behav, lag):
   """Approximate proximal log-probs when no learner forward recomputed them (after A-3PO and the
-  PPO-EWMA fallback of seed-abstracts line 35): log-linear interpolation by version lag,
+  PPO-EWMA fallback of decoupled asynchronous RL): log-linear interpolation by version lag,
 
     log pi_prox = log pi_behav + alpha * (log pi_theta - log pi_behav),  alpha = lag / (lag + 1),
 
@@ -137,7 +137,7 @@ def interpolated_prox(logp, behav, lag):
 @OFFPOLICY.register("decoupled")
 def decoupled(logp, behav, mask, advantages, *, prox=None, lag=0.0, eps_low=0.2, eps_high=0.2, **_):
   """Decoupled PPO (Hilton et al. 2022, "Batch size-invariance for policy optimization", arXiv
-  2110.00641; AReaL; seed-abstracts line 35): ratio = [pi_prox / pi_behav] x [pi_theta / pi_prox],
+  2110.00641; AReaL): ratio = [pi_prox / pi_behav] x [pi_theta / pi_prox],
   the PPO clip on pi_theta / pi_prox (the trust region around the recent learner policy) and
   pi_prox / pi_behav a stop-gradient weight (the staleness / mismatch correction; an IS
   correction, if configured, truncates or masks this weight). pi_prox is the batch's
@@ -152,7 +152,7 @@ def decoupled(logp, behav, mask, advantages, *, prox=None, lag=0.0, eps_low=0.2,
 
 
 def m2po_keep(log_ratio, mask, tau: float):
-  """M2PO second-moment trust mask (seed-abstracts line 155, arXiv 2510.01161): drop the tokens
+  """M2PO second-moment trust mask (arXiv 2510.01161): drop the tokens
   with the largest squared log-ratio, one at a time, until the mean of (log r)^2 over the kept
   loss tokens is <= tau; keep everything if it already is. Sorted ascending, the running mean of
   the k smallest values grows with k, so the kept set is the largest prefix whose mean is <= tau.
@@ -174,7 +174,7 @@ def m2po_keep(log_ratio, mask, tau: float):
 def m2po(
   logp, behav, mask, advantages, *, prox=None, m2po_tau=0.04, eps_low=0.2, eps_high=0.2, **_
 ):
-  """M2PO (seed-abstracts line 155): mask only the extreme-ratio tokens so that the batch's second
+  """M2PO (arXiv 2510.01161): mask only the extreme-ratio tokens so that the batch's second
   moment of log(pi_theta / pi_behav) is <= tau (m2po_keep). The paper drops PPO's clip and relies
   on this mask alone; pair it with wide eps_low / eps_high (or cispo) to reproduce that. With
   micro-batches the moment is taken per micro-batch (the tokens one loss call sees).
@@ -187,7 +187,7 @@ def m2po(
 
 
 def sat_bounds(log_ratio, mask, advantages, *, eps_low, eps_high, sat_tail: float = 2.0):
-  """Staleness-adaptive clip bounds (SAT, seed-abstracts line 43). What the abstract states, and
+  """Staleness-adaptive clip bounds (SAT). What the abstract states, and
   how each part is read here:
   - staleness proxy: "the detached sampled log-ratio": d_t = |sg(log pi_theta - log pi_behav)|
     (not the version lag: the abstract's proxy also sees engine mismatch and routing drift);
@@ -216,7 +216,7 @@ def sat_bounds(log_ratio, mask, advantages, *, eps_low, eps_high, sat_tail: floa
 
 @OFFPOLICY.register("sat")
 def sat(logp, behav, mask, advantages, *, prox=None, sat_tail=2.0, eps_low=0.2, eps_high=0.2, **_):
-  """SAT staleness-adaptive trust region (seed-abstracts line 43): PPO (or GSPO, as in the
+  """SAT staleness-adaptive trust region: PPO (or GSPO, as in the
   paper's SAT-GSPO) with the per-token bounds of sat_bounds."""
   old = behav if prox is None else prox
   lo, hi, contracted = sat_bounds(
