@@ -108,9 +108,10 @@ def reinforce_pp_baseline(rewards, mask=None, *, eps: float = 1e-6, **_):
 
 @ESTIMATORS.register("robust_median")
 def robust_median(rewards, mask=None, *, min_frac: float = 0.5, **_):
-  """GAPO robust baseline (GAPO for real-world code editing, group adaptive policy optimisation): sort the group's valid
-  rewards s_1 <= ... <= s_n, pick the contiguous interval [i, j] of that order with the highest
-  SNR = mean / std, set Q = median(s_i..s_j) and A_k = r_k - Q (no std scaling).
+  """GAPO robust baseline (GAPO, group adaptive policy optimisation for real-world code
+  editing): sort the group's valid rewards s_1 <= ... <= s_n, pick the contiguous interval
+  [i, j] of that order with the highest SNR = mean / std, set Q = median(s_i..s_j) and
+  A_k = r_k - Q (no std scaling).
 
   The abstract leaves the details open; this implementation fixes them as follows.
   - Intervals hold at least k_min = max(min(2, n), ceil(min_frac * n)) samples, so Q is the centre

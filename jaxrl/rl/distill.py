@@ -158,7 +158,7 @@ def prefix_alignment(loss: DistillLoss, params, batch: DistillBatch, window) -> 
 
 @dataclasses.dataclass
 class AdaptiveWindow:
-  """ADWIN's adaptive supervision horizon (on-policy distillation over a useful supervision horizon), as a host-side controller.
+  """ADWIN's adaptive supervision horizon for on-policy distillation, as a host-side controller.
 
   Training steps supervise only the first `window` completion tokens; every `probe_every` steps
   a full-rollout probe measures how well the prefix gradient points along the full-rollout
