@@ -8,6 +8,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxrl.kernels.contract import contract
+
 _QMAX = 127.0  # symmetric int8: -128 is never used, so negation stays exact
 QUANT_MODES = ("int8",)
 
@@ -107,7 +109,7 @@ def int8_einsum(eq: str, x: jax.Array, q: QArray) -> jax.Array:
       f"{eq!r} contracts {len(contracted)} axes but the weight has {q.in_ndim} input axes"
     )
   xq, x_scale = quantize_activations(x, tuple(xs.index(c) for c in contracted))
-  acc = jnp.einsum(eq, xq, q.values, preferred_element_type=jnp.int32)  # out = [*lead, *kept]
+  acc = contract(eq, xq, q.values, preferred_element_type=jnp.int32)  # out = [*lead, *kept]
   x_scale = x_scale.reshape(x_scale.shape + (1,) * len(kept))
   # Unlike a float dot's output, this elementwise rescale fuses into its consumer (XLA CPU may
   # contract it with a residual add into an FMA), so its last-ulp rounding can depend on the

@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxrl.kernels.contract import contract
 from jaxrl.kernels.paged_attention import PagedKV, paged_attention, write_kv
 from jaxrl.models.config import ModelConfig, RopeScaling
 from jaxrl.quant import QArray, int8_einsum
@@ -74,7 +75,7 @@ def project(eq: str, x: jax.Array, w: nnx.Param, adapter: LoRA | None = None) ->
   if isinstance(value, QArray):
     y = int8_einsum(eq, x, value)
   else:
-    y = jnp.einsum(eq, x, value.astype(dt))
+    y = contract(eq, x, value.astype(dt))
   if adapter is None:
     return y
   ins, out = eq.split("->")
@@ -82,8 +83,8 @@ def project(eq: str, x: jax.Array, w: nnx.Param, adapter: LoRA | None = None) ->
   contracted = "".join(c for c in ws if c in xs)
   kept = "".join(c for c in ws if c not in xs)
   lead = "".join(c for c in xs if c not in ws)
-  xa = jnp.einsum(f"{xs},{contracted}R->{lead}R", x, adapter.a[...].astype(dt))
-  return y + adapter.scale * jnp.einsum(f"{lead}R,R{kept}->{out}", xa, adapter.b[...].astype(dt))
+  xa = contract(f"{xs},{contracted}R->{lead}R", x, adapter.a[...].astype(dt))
+  return y + adapter.scale * contract(f"{lead}R,R{kept}->{out}", xa, adapter.b[...].astype(dt))
 
 
 class RMSNorm(nnx.Module):
