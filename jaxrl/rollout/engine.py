@@ -150,7 +150,7 @@ class PrefillBatch(NamedTuple):
 class DecodeState(NamedTuple):
   """Everything a decode step reads and writes, for all B = max_concurrent_decodes slots."""
 
-  k_pages: tuple  # L arrays [P, page_size, K, H]
+  k_pages: tuple  # L arrays [K, P, page_size, H]
   v_pages: tuple
   page_table: jax.Array  # [B, M] int32
   lengths: jax.Array  # [B] int32 positions in the cache = position of the token fed next
@@ -274,18 +274,23 @@ class Engine:
       self._zero_cache = jax.jit(self._zero_cache, static_argnums=0, out_shardings=kv)
 
   def _shardings(self, rules: Rules | str):
-    """(kv_sharding, state_shardings): the KV pages [P, page_size, K, H] and the prefill caches
-    [1, S, K, H] split over kv heads as the rules place them (replicated where K does not
-    divide), and a DecodeState prefix tree with the per-slot vectors replicated: they are tiny,
-    and slots index a pool every device holds. (None, None) off a mesh."""
+    """(kv_sharding, state_shardings): the prefill caches [1, S, K, H] split over kv heads as
+    the rules place them (replicated where K does not divide), the KV pages [K, P, page_size, H]
+    split the same way, and a DecodeState prefix tree with the per-slot vectors replicated: they
+    are tiny, and slots index a pool every device holds. (None, None) off a mesh."""
     if self._mesh is None:
       return None, None
-    shape = (self.num_pages, self.page_size, self.cfg.num_kv_heads, self.cfg.head_dim)
+    c = self.cfg
+    cache_shape = (1, self.page_size, c.num_kv_heads, c.head_dim)
     kv = named_sharding(
-      self._mesh, (None, None, "act_kv_heads", "act_head_dim"), rules, shape=shape
+      self._mesh, (None, None, "act_kv_heads", "act_head_dim"), rules, shape=cache_shape
+    )
+    pool_shape = (c.num_kv_heads, self.num_pages, self.page_size, c.head_dim)
+    pool = named_sharding(
+      self._mesh, ("act_kv_heads", None, None, "act_head_dim"), rules, shape=pool_shape
     )
     rep = DecodeState(*[NamedSharding(self._mesh, P())] * len(DecodeState._fields))
-    return kv, rep._replace(k_pages=kv, v_pages=kv)
+    return kv, rep._replace(k_pages=pool, v_pages=pool)
 
   # --- properties of the JetStream contract -------------------------------------------------
   @property

@@ -24,12 +24,13 @@ def pages_for(num_tokens: int, page_size: int) -> int:
 
 
 def init_pages(cfg: ModelConfig, num_pages: int, page_size: int, dtype=None):
-  """The device pool: (k_pages, v_pages), each a tuple of L arrays [P, page_size, K, H] of zeros.
+  """The device pool: (k_pages, v_pages), each a tuple of L arrays [K, P, page_size, H] of zeros
+  (kv-head-major: jaxrl.kernels.paged_attention says why).
 
   Zeros, not garbage: masked keys still enter the score matmul, and must stay finite.
   """
   dtype = dtype or cfg.compute_dtype
-  shape = (num_pages, page_size, cfg.num_kv_heads, cfg.head_dim)
+  shape = (cfg.num_kv_heads, num_pages, page_size, cfg.head_dim)
   k = tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers))
   v = tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers))
   return k, v

@@ -13,8 +13,8 @@ P, PS, K, N, H, M = 23, 4, 2, 6, 14, 5  # pages, page size, kv heads, q heads, h
 
 def _case(seed, b=3, t=1):
   rng = np.random.default_rng(seed)
-  k_pages = rng.normal(size=(P, PS, K, H)).astype(np.float32)
-  v_pages = rng.normal(size=(P, PS, K, H)).astype(np.float32)
+  k_pages = rng.normal(size=(K, P, PS, H)).astype(np.float32)  # kv-head-major pool
+  v_pages = rng.normal(size=(K, P, PS, H)).astype(np.float32)
   # Each row gets distinct random pages; ragged lengths, one row a single key.
   table = np.stack([rng.permutation(P)[:M] for _ in range(b)]).astype(np.int32)
   lengths = np.array([1, 11, M * PS][:b], np.int32)
@@ -26,7 +26,10 @@ def _case(seed, b=3, t=1):
 
 def _gathered(k_pages, table):
   b = table.shape[0]
-  return k_pages[table].reshape(b, M * PS, K, H)  # [B, S, K, H] in position order
+  # [B, S, K, H] in position order: row b's block m is page table[b, m] of every head.
+  return np.stack([k_pages[:, table[i]].reshape(K, M * PS, H) for i in range(b)]).transpose(
+    0, 2, 1, 3
+  )
 
 
 @pytest.mark.parametrize("t", [1, 3])
@@ -67,18 +70,18 @@ def test_paged_matches_numpy_softmax_reference():
 def test_write_kv_scatters_to_pages_and_drops_padding():
   rng = np.random.default_rng(2)
   table = np.array([[3, 7, 1, 0, 0], [9, 4, 0, 0, 0]], np.int32)
-  zeros = jnp.zeros((P, PS, K, H))
+  zeros = jnp.zeros((K, P, PS, H))
   k = rng.normal(size=(2, 6, K, H)).astype(np.float32)
   pos = np.array([[2, 3, 4, 5, 6, 7], [0, 1, 2, 3, 4, 5]], np.int32)
   lengths = np.array([7, 4], np.int32)  # row 0 drops position 7, row 1 positions 4 and 5
   cache = write_kv(PagedKV(zeros, zeros, jnp.asarray(table), jnp.asarray(lengths)), k, 2 * k, pos)
   kp = np.asarray(cache.k_pages)
-  expect = np.zeros((P, PS, K, H), np.float32)
+  expect = np.zeros((K, P, PS, H), np.float32)
   for b in range(2):
     for t in range(6):
       p = pos[b, t]
       if p < lengths[b]:
-        expect[table[b, p // PS], p % PS] = k[b, t]
+        expect[:, table[b, p // PS], p % PS] = k[b, t]
   np.testing.assert_array_equal(kp, expect)
   np.testing.assert_array_equal(np.asarray(cache.v_pages), 2 * expect)
 

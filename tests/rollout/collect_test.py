@@ -131,8 +131,8 @@ def test_mesh_placed_params_compile_once_per_shape_across_rounds():
   assert sizes == [sizes[0]] * 3, sizes
   cfg = eng.cfg
   for st in (sampler.driver._state, eng.init_decode_state()):
-    for x in st.k_pages + st.v_pages:  # [P, page_size, K, H], K split over tensor
+    for x in st.k_pages + st.v_pages:  # [K, P, page_size, H], K split over tensor
       assert x.sharding.mesh == mesh
-      assert x.sharding.shard_shape(x.shape) == (*x.shape[:2], cfg.num_kv_heads // 2, x.shape[3])
+      assert x.sharding.shard_shape(x.shape) == (cfg.num_kv_heads // 2, *x.shape[1:])
     for x in jax.tree.leaves(st[2:]):  # per-slot vectors: replicated on the mesh
       assert x.sharding.mesh == mesh and x.sharding.is_fully_replicated

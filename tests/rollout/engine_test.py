@@ -239,7 +239,10 @@ def _slot_kv(eng, st, slot, length):
   pages = eng.slot_pages[slot]
   out = []
   for k, v in zip(st.k_pages, st.v_pages, strict=True):
-    kv = [np.asarray(x)[pages].reshape(-1, *x.shape[2:])[:length] for x in (k, v)]
+    kv = []
+    for x in (k, v):
+      held = np.asarray(x)[:, pages]  # [K, pages, page_size, H]
+      kv.append(np.moveaxis(held.reshape(x.shape[0], -1, x.shape[3]), 0, 1)[:length])
     out.append(np.stack(kv))
   return np.stack(out)  # [L, 2, length, K, H]
 

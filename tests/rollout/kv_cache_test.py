@@ -61,5 +61,5 @@ def test_pool_is_sized_by_token_budget():
   cfg = ModelConfig.tiny()
   k, v = init_pages(cfg, num_pages=11, page_size=4)
   assert len(k) == len(v) == cfg.num_layers
-  assert k[0].shape == (11, 4, cfg.num_kv_heads, cfg.head_dim)
+  assert k[0].shape == (cfg.num_kv_heads, 11, 4, cfg.head_dim)  # kv-head-major
   assert not np.any(np.asarray(k[0]))
