@@ -141,6 +141,14 @@ def sample_rows(logits: jax.Array, keys: jax.Array, rows: RowSampling):
     ((rows.top_k > 0) & (rows.top_k < v)) | (rows.top_p < 1.0) | (rows.min_p > 0.0)
   )
   filtered = jax.lax.cond(filtering, filter_logits_rows, lambda x, _: x, scaled, rows)
-  drawn = jax.vmap(jax.random.categorical)(keys, filtered)
+  # Greedy batches (evaluation) skip the per-row Gumbel draws; a row's token never depends on
+  # whether they ran.
+  drawn = jax.lax.cond(
+    jnp.all(greedy),
+    lambda k, x: jnp.zeros(x.shape[:1], jnp.int32),
+    lambda k, x: jax.vmap(jax.random.categorical)(k, x).astype(jnp.int32),
+    keys,
+    filtered,
+  )
   tokens = jnp.where(greedy, jnp.argmax(logits, axis=-1), drawn).astype(jnp.int32)
   return tokens, jnp.take_along_axis(logp_all, tokens[:, None], axis=-1)[:, 0]
