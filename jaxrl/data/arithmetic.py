@@ -45,6 +45,25 @@ def _evaluate(a: int, op: str, b: int) -> int:
   return a * b
 
 
+def careless(a: int, op: str, b: int) -> str | None:
+  """The answer a careless teacher writes for `a op b` (non-negative operands): column by column
+  with every carry forgotten (the leftmost column writes its whole sum) for '+', the smaller
+  digit taken from the larger in every column for '-' (the classic forgotten borrow), leading
+  zeros dropped. It equals the true answer exactly when no column carries (or borrows) into the
+  next; None for '*' or a negative operand, whose demonstrations stay correct."""
+  if op not in ("+", "-") or a < 0 or b < 0 or (op == "-" and a < b):
+    return None
+  da, db = str(a)[::-1], str(b)[::-1]
+  width = max(len(da), len(db))
+  da, db = da.ljust(width, "0"), db.ljust(width, "0")
+  cols = [(int(x), int(y)) for x, y in zip(da, db, strict=True)]
+  if op == "+":
+    digits = [str((x + y) % 10) for x, y in cols[:-1]] + [str(sum(cols[-1]))[::-1]]
+  else:
+    digits = [str(abs(x - y)) for x, y in cols]
+  return str(int("".join(digits)[::-1]))
+
+
 @dataclasses.dataclass(frozen=True)
 class ArithmeticTask:
   """Integer `a op b` problems; the model must complete the prompt with exactly the answer.
@@ -65,6 +84,11 @@ class ArithmeticTask:
     operand_dist: "uniform" draws each operand uniformly from [0, 10**max_digits), i.e. every
       problem is equally likely and the held-out set is an i.i.d.-like sample of the training
       distribution; "by_digits" first draws the digit count uniformly (easy problems weigh more).
+    careless_rate: the share of training demonstrations (`sft_completion`) of problems that need
+      a carry or a borrow that are written by a careless teacher, who forgets it (`careless`):
+      27+15= -> 32, 42-15= -> 33 (the smaller digit taken from the larger). Which records are
+      careless is drawn with the record, so it depends only on (seed, index). Rewards and the
+      held-out set always use the true answer; 0 (the default) draws nothing extra.
   """
 
   max_digits: int = 2
@@ -72,6 +96,7 @@ class ArithmeticTask:
   held_out_fraction: float = 0.1
   allow_negative: bool = False
   operand_dist: str = "uniform"
+  careless_rate: float = 0.0
 
   def __post_init__(self):
     if isinstance(self.max_digits, bool) or not isinstance(self.max_digits, int):
@@ -99,6 +124,9 @@ class ArithmeticTask:
       raise ValueError(f"allow_negative must be a bool, got {self.allow_negative!r}")
     if self.operand_dist not in _OPERAND_DISTS:
       raise ValueError(f"operand_dist must be one of {_OPERAND_DISTS}, got {self.operand_dist!r}")
+    rate = self.careless_rate
+    if isinstance(rate, bool) or not isinstance(rate, int | float) or not 0.0 <= rate <= 1.0:
+      raise ValueError(f"careless_rate must be a float in [0, 1], got {rate!r}")
 
   # ---------------------------------------------------------------------------------- problems
 
@@ -118,8 +146,9 @@ class ArithmeticTask:
     }
 
   def sft_completion(self, record: Record) -> str:
-    """The exact completion (without EOS) a model should produce for `record`."""
-    return record["answer"]
+    """The demonstration (without EOS) for `record`: the answer, or the careless teacher's
+    answer when `sample` drew this record as careless (see `careless_rate`)."""
+    return record.get("demo", record["answer"])
 
   def _draw_operand(self, rng: np.random.Generator) -> int:
     if self.operand_dist == "uniform":
@@ -147,12 +176,39 @@ class ArithmeticTask:
     for _ in range(_MAX_ATTEMPTS):
       a, op, b = self._draw(rng)
       if self.is_held_out(a, op, b) == want_held_out:
-        return self.record(a, op, b)
+        record = self.record(a, op, b)
+        # Drawn after the problem, so the problems are those of careless_rate = 0.
+        if not want_held_out and self.careless_rate > 0.0 and rng.random() < self.careless_rate:
+          demo = careless(a, op, b)
+          if demo is not None:
+            record["demo"] = demo
+        return record
     raise ValueError(
       f"no {split!r} problem found in {_MAX_ATTEMPTS} draws: held_out_fraction="
       f"{self.held_out_fraction} leaves the {split!r} split (nearly) empty for "
       f"max_digits={self.max_digits}, ops={self.ops}"
     )
+
+  def eval_breakdown(self, records: list[Record], completions: list[str]) -> dict[str, float]:
+    """Held-out accuracy split by whether a problem needs a carry (or borrow) between columns,
+    and the share of those answered exactly as the careless teacher would (`careless`): the
+    error a warm-start on careless demonstrations learns, and RL has to unlearn."""
+    carry, plain, careless_hits = [], [], 0
+    for record, text in zip(records, completions, strict=True):
+      right = text.strip() == record["answer"]
+      slip = careless(record["a"], record["op"], record["b"])
+      if slip is not None and slip != record["answer"]:
+        carry.append(right)
+        careless_hits += text.strip() == slip
+      else:
+        plain.append(right)
+    out = {}
+    if carry:
+      out["carry_accuracy"] = float(np.mean(carry))
+      out["careless_answers"] = careless_hits / len(carry)
+    if plain:
+      out["no_carry_accuracy"] = float(np.mean(plain))
+    return out
 
   # ------------------------------------------------------------------------------------ splits
 

@@ -6,7 +6,7 @@ import re
 import numpy as np
 import pytest
 
-from jaxrl.data.arithmetic import ArithmeticTask
+from jaxrl.data.arithmetic import ArithmeticTask, careless
 
 _PROMPT_RE = re.compile(r"(\d+)([+*-])(\d+)=")
 
@@ -226,3 +226,102 @@ def test_iterator_state_save_restore():
   # Restoring also rewinds an iterator that has run ahead.
   it.set_state(state)
   assert _take(it, 6) == expected
+
+
+# ------------------------------------------------------------------------ the careless teacher
+
+
+@pytest.mark.parametrize(
+  "problem, written",
+  [
+    ((27, "+", 15), "32"),  # the units' carry forgotten
+    ((57, "+", 68), "115"),  # the leftmost column writes its whole sum: 5 + 6 = 11
+    ((99, "+", 99), "188"),
+    ((9, "+", 9), "18"),  # one column: nothing to forget
+    ((12, "+", 34), "46"),
+    ((42, "-", 15), "33"),  # smaller digit from the larger: |2 - 5| = 3
+    ((52, "-", 48), "16"),
+    ((90, "-", 9), "99"),
+    ((50, "-", 50), "0"),  # leading zeros dropped
+    ((75, "-", 32), "43"),
+  ],
+)
+def test_careless_answers_by_hand(problem, written):
+  assert careless(*problem) == written
+
+
+def _needs_carry(a, op, b):
+  """Column arithmetic, independently: does a column carry (or borrow) into the next one? Out
+  of the leftmost column there is nothing to forget: it is written whole."""
+  columns = max(len(str(a)), len(str(b)))
+  carry = 0
+  for _ in range(columns - 1):
+    x, y = a % 10, b % 10
+    carry = int(x + y + carry >= 10) if op == "+" else int(x - y - carry < 0)
+    if carry:
+      return True
+    a, b = a // 10, b // 10
+  return False
+
+
+def test_careless_differs_from_the_truth_exactly_when_a_carry_is_needed():
+  for op in "+-":
+    for a in range(100):
+      for b in range(100):
+        if op == "-" and a < b:
+          continue
+        truth = str(a + b if op == "+" else a - b)
+        assert (careless(a, op, b) != truth) == _needs_carry(a, op, b), (a, op, b)
+
+
+def test_careless_leaves_products_and_negatives_alone():
+  assert careless(12, "*", 34) is None
+  assert careless(3, "-", 15) is None
+  assert careless(-3, "+", 5) is None
+
+
+def test_careless_rate_changes_demonstrations_only():
+  base, noisy = ArithmeticTask(), ArithmeticTask(careless_rate=0.6)
+  clean_recs, noisy_recs = _train_records(base, 4000), _train_records(noisy, 4000)
+  # The same problems, in the same order; only the demonstrations differ.
+  assert [_key(r) for r in clean_recs] == [_key(r) for r in noisy_recs]
+  assert all(r["answer"] == n["answer"] for r, n in zip(clean_recs, noisy_recs, strict=True))
+  assert all("demo" not in r for r in clean_recs)
+  carry = [r for r in noisy_recs if _needs_carry(*_key(r))]
+  written = [noisy.sft_completion(r) for r in carry]
+  wrong = sum(w != r["answer"] for w, r in zip(written, carry, strict=True))
+  assert all(w in (r["answer"], careless(*_key(r))) for w, r in zip(written, carry, strict=True))
+  # Binomial(n, 0.6): five standard deviations either side.
+  n = len(carry)
+  assert abs(wrong - 0.6 * n) < 5 * (0.24 * n) ** 0.5, (wrong, n)
+  no_carry = [r for r in noisy_recs if not _needs_carry(*_key(r))]
+  assert all(noisy.sft_completion(r) == r["answer"] for r in no_carry)
+
+
+def test_careless_rate_never_touches_held_out_records():
+  task = ArithmeticTask(max_digits=3, careless_rate=1.0)
+  rng = np.random.default_rng(0)
+  for _ in range(200):
+    record = task.sample(rng, split="held_out")
+    assert task.sft_completion(record) == record["answer"] and "demo" not in record
+  assert all("demo" not in r for r in task.held_out(50))
+
+
+@pytest.mark.parametrize("rate", [-0.1, 1.5, True, "0.5"])
+def test_bad_careless_rate(rate):
+  with pytest.raises(ValueError, match="careless_rate"):
+    ArithmeticTask(careless_rate=rate)
+
+
+def test_eval_breakdown_by_hand():
+  task = ArithmeticTask()
+  records = [task.record(*p) for p in [(27, "+", 15), (42, "-", 15), (12, "+", 34), (9, "+", 9)]]
+  # 27+15: the careless 32; 42-15: right; 12+34: wrong (no carry needed); 9+9: right.
+  completions = ["32", " 27\n", "47", "18"]
+  assert task.eval_breakdown(records, completions) == {
+    "carry_accuracy": 0.5,
+    "careless_answers": 0.5,
+    "no_carry_accuracy": 0.5,
+  }
+  # Products have no careless answer: they count as problems without a carry.
+  assert task.eval_breakdown([task.record(12, "*", 34)], ["408"]) == {"no_carry_accuracy": 1.0}
