@@ -97,6 +97,14 @@ class SFTConfig:
     choices=("uniform", "by_digits"),
     help="the warm-start's own problem mix; by_digits over-weights short operands (a curriculum)",
   )
+  careless_rate: float = _field(
+    0.0,
+    lo=0.0,
+    hi=1.0,
+    help="task.name='arithmetic': the share of warm-start demonstrations of problems that need a "
+    "carry or borrow written by a careless teacher who forgets it (27+15=32); RL's reward and "
+    "the held-out set keep the true answers",
+  )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -443,6 +451,12 @@ def validate(cfg) -> Config:
   )
   check(
     set(c.task.ops) <= set("+-*") and c.task.ops != "", "task.ops", c.task.ops, "chars of '+-*'"
+  )
+  check(
+    c.sft.careless_rate == 0 or c.task.name == "arithmetic",
+    "sft.careless_rate",
+    c.sft.careless_rate,
+    "0 unless task.name='arithmetic' (only its demonstrations have carries to forget)",
   )
   check(
     c.task.name != "jsonl" or bool(c.task.path),

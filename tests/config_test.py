@@ -112,6 +112,11 @@ def test_defaults_and_the_shipped_config_validate():
       {"rl": {"dynamic_sampling": {"rounds": 2}}},
       r"unknown field\(s\) config\.rl\.dynamic_sampling\.rounds",
     ),
+    ({"sft": {"careless_rate": 1.5}}, r"config\.sft\.careless_rate=1\.5 is out of range"),
+    (
+      {"sft": {"careless_rate": 0.5}, "task": {"name": "jsonl", "path": "x.jsonl"}},
+      r"config\.sft\.careless_rate=0\.5 is invalid; allowed: 0 unless task\.name='arithmetic'",
+    ),
     (
       {"rl": {"skip_zero_advantage": "on"}},
       r"config\.rl\.skip_zero_advantage='on' is invalid; allowed: \['auto', 'off'\]",

@@ -263,6 +263,10 @@ class Trainer:
       "eval/accuracy": float(np.mean(r)),
       "eval/response_length": float(np.mean(out.lengths)),
     }
+    # A task may split its accuracy by kind of problem (arithmetic: carries, careless answers).
+    breakdown = getattr(self.task, "eval_breakdown", None)
+    if breakdown is not None:
+      ev.update({f"eval/{k}": v for k, v in breakdown(recs, texts).items()})
     k = self.cfg.eval.num_samples
     if k:
       # The same seed at every evaluation: the curve compares policies on the same draws.
@@ -293,7 +297,9 @@ class Trainer:
     # The warm-start has its own data mix; RL prompts and the held-out set follow `task`.
     sft_task = self.task
     if isinstance(self.task, ArithmeticTask):
-      sft_task = dataclasses.replace(self.task, operand_dist=cfg.operand_dist)
+      sft_task = dataclasses.replace(
+        self.task, operand_dist=cfg.operand_dist, careless_rate=cfg.careless_rate
+      )
     it = iter(sft_task.train_dataset(seed=self.cfg.seed + 1, batch_size=cfg.batch_size))
     start = 0
     if latest is not None:
@@ -313,8 +319,7 @@ class Trainer:
       records = next(it)
       toks, mask = self._prompts(records)
       comps = [
-        self.tokenizer.encode(self.task.sft_completion(r)) + [self.tokenizer.eos_id]
-        for r in records
+        self.tokenizer.encode(sft_task.sft_completion(r)) + [self.tokenizer.eos_id] for r in records
       ]
       batch = batch_lib.supervised(
         toks,

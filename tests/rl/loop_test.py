@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import re
 
 import jax
 import numpy as np
@@ -10,6 +11,7 @@ from flax import nnx
 
 import configs.grpo_arith as grpo_arith
 from jaxrl.config import RewardConfig, validate
+from jaxrl.data.arithmetic import careless
 from jaxrl.quant import QArray, quantize_int8
 from jaxrl.rl.loop import Trainer
 from jaxrl.rollout.sampling import SamplingParams
@@ -115,6 +117,14 @@ def test_run_writes_metrics_checkpoints_and_plot(run_with_spy):
   # The learner's params equal the sampler's at rollout time: the gap is numerical only.
   assert max(r["rl/logprob_gap"] for r in rl) < 1e-5
   assert "eval/accuracy" in rl[1] and "eval/accuracy" in rl[3]
+  # The arithmetic task's breakdown is logged beside it and adds up to it.
+  carry = [careless(r["a"], r["op"], r["b"]) not in (None, r["answer"]) for r in trainer.held_out]
+  for r in (rl[1], rl[3]):
+    assert 0 <= r["eval/careless_answers"] <= 1
+    whole = (
+      np.mean(carry) * r["eval/carry_accuracy"] + (1 - np.mean(carry)) * r["eval/no_carry_accuracy"]
+    )
+    assert whole == pytest.approx(r["eval/accuracy"], abs=1e-9)
   assert (wd / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
   summary = json.loads((wd / "summary.json").read_text())
   assert summary["accuracy_after_rl"] == rl[-1]["eval/accuracy"]
@@ -189,6 +199,39 @@ def test_interrupted_warm_start_resumes_to_the_same_params(tmp_path):
   resumed.close()
   for a, b in zip(expect, got, strict=True):
     np.testing.assert_array_equal(a, b)
+
+
+def test_warm_start_demonstrations_follow_sft_careless_rate(tmp_path, monkeypatch):
+  """sft.careless_rate = 1: every warm-start demonstration of a carry problem is the careless
+  teacher's answer, every other one the true answer; the held-out set keeps the true answers."""
+  from jaxrl.rl import batch as batch_lib
+
+  cfg = _config(tmp_path)
+  cfg = dataclasses.replace(cfg, sft=dataclasses.replace(cfg.sft, careless_rate=1.0, steps=3))
+  trainer = Trainer(cfg, log=lambda *_: None)
+  seen = []
+  supervised = batch_lib.supervised
+
+  def spy(prompts, mask, completions, **kw):
+    seen.append((prompts, mask, completions))
+    return supervised(prompts, mask, completions, **kw)
+
+  monkeypatch.setattr(batch_lib, "supervised", spy)
+  trainer.run_sft()
+  trainer.close()
+  tok, eos = trainer.tokenizer, trainer.tokenizer.eos_id
+  carries = 0
+  for prompts, mask, completions in seen:
+    for row, valid, comp in zip(prompts, mask, completions, strict=True):
+      a, op, b = re.fullmatch(r"(\d+)([+-])(\d+)=", tok.decode(row[valid][1:])).groups()
+      a, b = int(a), int(b)
+      assert comp[-1] == eos
+      truth = str(a + b if op == "+" else a - b)
+      slip = careless(a, op, b)
+      carries += slip != truth
+      assert tok.decode(comp[:-1]) == slip, (a, op, b)
+  assert len(seen) == 3 and carries > 0
+  assert all(r["answer"] == str(eval(r["prompt"][:-1])) for r in trainer.held_out)
 
 
 def test_reward_failure_is_reported_or_raised(tmp_path):
