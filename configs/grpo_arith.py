@@ -5,14 +5,18 @@ Launch (installs into .venv on first use):
   bash launch/train.sh --config=configs/grpo_arith.py:smoke --config.rl.beta=0.0
   python -m launch.train --config=configs/grpo_arith.py --config.workdir=/tmp/arith
 
-Expected on a 2-core CPU (seeds 0-4, an AVX2 machine, docs/results.md): held-out greedy
-accuracy 0.00 at init; after the 1,200-step SFT warm-start 0.966 (0.904-1.000); after 200 GRPO
-steps through the engine 0.975 (0.936-0.998) (mean, min-max). GRPO's gain over the warm-start
-is largest on the seed whose warm-start ended lowest (+0.031, or +0.004 when its float sums run
-in another order); elsewhere it is within evaluation noise (-0.002 to +0.006): the task is
-nearly saturated. 8.5-10.5 minutes on 2 cores (seeds 0 and 1). The same seed repeats bit
-for bit on the same CPU type. `:smoke` takes well under a minute and only checks that
-everything moves.
+The warm-start imitates a careless teacher: 60% of its demonstrations of problems that need a
+carry or borrow are written with it forgotten (27+15=32, 42-15=33), the rest correctly; RL's
+exact-match reward and the held-out set use the true answers. SFT learns the teacher's habit,
+and GRPO has to unlearn it from the reward alone.
+
+Expected on a 2-core CPU (seeds 0-4, docs/results.md): held-out greedy accuracy 0.00 at init;
+0.649 (0.588-0.746) after the 1,200-step warm-start, 63-81% of the carry problems answered
+with the teacher's slip; 0.918 (0.875-0.996) after 200 GRPO steps, 0-6% careless (mean,
+min-max over 10 runs: seeds 0-4 on XLA's AVX-512 and AVX2 code paths). GRPO adds +0.24 to +0.29
+on every run. About 6 minutes alone on a 2-core AMD EPYC (seed 0: 5 min 54 s, seed 2: 6 min 22 s).
+The same seed repeats bit for bit on the same CPU type. `:smoke` takes well under a minute and
+only checks that everything moves.
 """
 
 import ml_collections
@@ -33,8 +37,11 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # The warm-start has to get past the phase where the model learns carries: at lr 3e-3 x 64 x
   # 900 it ended on that slope (0.15-0.83 held-out over seeds and CPU types). lr 1e-3, b2 0.99,
   # twice the problems per step and 1,200 steps end past it on every seed (docs/results.md).
+  # Learnt from correct demonstrations only, it then left GRPO nothing to do (0.97 -> 0.98);
+  # from a careless teacher's it ends wrong on most carry problems, in a way a reward can fix.
   c.sft = dict(steps=1200, batch_size=128, learning_rate=1e-3, warmup_steps=20, weight_decay=0.0,
-               b2=0.99, num_microbatches=1, operand_dist="by_digits")  # fmt: skip
+               b2=0.99, num_microbatches=1, operand_dist="by_digits",
+               careless_rate=0.6)  # fmt: skip
   c.rl = dict(
     steps=200,
     prompts_per_step=64,
@@ -86,9 +93,12 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.workdir = "runs/grpo_arith_smoke"
     c.sft.steps = 60
     c.sft.batch_size = 32
-    # A minute's pipeline check: the faster (knife-edge) rate makes 60 steps move visibly.
+    # A minute's pipeline check: the faster (knife-edge) rate makes 60 steps move visibly, on
+    # correct demonstrations (from the careless teacher's, 60 steps get no held-out answer
+    # right on the AVX2 code path).
     c.sft.learning_rate = 3e-3
     c.sft.b2 = 0.999
+    c.sft.careless_rate = 0.0
     c.rl.steps = 6
     c.rl.prompts_per_step = 8
     c.rl.group_size = 4
