@@ -1,9 +1,13 @@
 """Tunix `Sampler` decode timing; runs in bench/.venv-tunix, driven by decode_throughput.py.
 
-Usage: bench/.venv-tunix/bin/python bench/_tunix_peer.py REQUEST.json RESPONSE.json
+Usage: bench/.venv-tunix/bin/python bench/_tunix_peer.py REQUEST.json
 The request names an HF-format Qwen3 checkpoint, the prompt tokens [B, P], the number of new
-tokens and the warm-up / timed call counts; the response holds the per-call times and the last
-call's tokens [B, N]. Standalone on purpose: this venv has Tunix, not jaxrl.
+tokens and the warm-up call count. The child loads the model, warms up, then answers one line
+per command read from stdin: `ready` (versions and notes), `call` (decode once: its seconds and
+tokens [B, N]), `quit`. Answers are single JSON lines tagged with TAG, so anything else the
+libraries print on stdout is skipped by the parent. The parent interleaves these calls with
+its other peers' (decode_throughput.py says why). Standalone on purpose: this venv has Tunix,
+not jaxrl.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from tunix.models.qwen3 import model as qwen3_model
 from tunix.models.qwen3 import params as qwen3_params
 
 TUNIX_ROPE_THETA = 1_000_000
+TAG = "@@tunix "  # decode_throughput.TUNIX_TAG
 
 
 class IdTokenizer:
@@ -73,7 +78,7 @@ def tunix_config(hf: dict) -> qwen3_model.ModelConfig:
   )
 
 
-def main(request_path: str, response_path: str) -> None:
+def main(request_path: str) -> None:
   req = json.loads(Path(request_path).read_text())
   ckpt = req["checkpoint"]
   hf = json.loads((Path(ckpt) / "config.json").read_text())
@@ -105,28 +110,36 @@ def main(request_path: str, response_path: str) -> None:
     return np.stack([np.asarray(t, np.int32) for t in out.tokens])
 
   for _ in range(req["warmup"]):
-    tokens = call()
-  times = []
-  for _ in range(req["reps"]):
-    t0 = time.perf_counter()
-    tokens = call()
-    times.append(time.perf_counter() - t0)
-  if tokens.shape != (b, n):
-    raise RuntimeError(f"tunix produced tokens of shape {tokens.shape}; expected {(b, n)}")
-  response = {
-    "times_s": times,
-    "tokens": tokens.tolist(),
-    "notes": f"pad_id {pad_id}; the decode loop runs {n} model calls for {n} tokens",
-    "versions": {
-      "tunix": importlib.metadata.version("google-tunix"),
-      "tunix_jax": jax.__version__,
-      "tunix_flax": importlib.metadata.version("flax"),
-    },
+    call()
+  versions = {
+    "tunix": importlib.metadata.version("google-tunix"),
+    "tunix_jax": jax.__version__,
+    "tunix_flax": importlib.metadata.version("flax"),
   }
-  Path(response_path).write_text(json.dumps(response))
+  notes = f"pad_id {pad_id}; the decode loop runs {n} model calls for {n} tokens"
+
+  def answer(obj) -> None:
+    sys.stdout.write(TAG + json.dumps(obj) + "\n")
+    sys.stdout.flush()
+
+  for line in sys.stdin:
+    command = line.strip()
+    if command == "ready":
+      answer({"versions": versions, "notes": notes})
+    elif command == "call":
+      t0 = time.perf_counter()
+      tokens = call()
+      seconds = time.perf_counter() - t0
+      if tokens.shape != (b, n):
+        raise RuntimeError(f"tunix produced tokens of shape {tokens.shape}; expected {(b, n)}")
+      answer({"seconds": seconds, "tokens": tokens.tolist()})
+    elif command == "quit":
+      return
+    else:
+      raise ValueError(f"unknown command {command!r}; allowed: ready, call, quit")
 
 
 if __name__ == "__main__":
-  if len(sys.argv) != 3:
+  if len(sys.argv) != 2:
     raise SystemExit(__doc__)
-  main(sys.argv[1], sys.argv[2])
+  main(sys.argv[1])

@@ -47,6 +47,7 @@ from jaxrl.quant import quantize_params  # noqa: E402
 
 TUNIX_PYTHON = BENCH_DIR / ".venv-tunix" / "bin" / "python"
 TUNIX_PEER = BENCH_DIR / "_tunix_peer.py"
+TUNIX_TAG = "@@tunix "  # prefix of the Tunix child's answers on its stdout
 DEFAULT_OUT = BENCH_DIR / "results" / "decode_throughput.json"
 PAD_ID = 0
 # Byte tokenizer ids are in [0, 259): -1 can never be sampled, so no row ever stops early.
@@ -100,28 +101,33 @@ class Workload:
 
 
 @dataclasses.dataclass
-class PeerResult:
-  times_s: list[float]  # one per timed call, each decoding B x new_tokens tokens
-  tokens: np.ndarray  # [B, new_tokens] int32 from the last call
-  notes: str = ""
+class Peer:
+  """A peer ready to decode: compiled and warmed up. `call()` decodes the workload once and
+  returns (seconds, tokens [B, new_tokens]); in-process peers are timed around their whole
+  public call, the Tunix child times its own call (no pipe in the measurement)."""
+
+  call: Callable[[], tuple[float, np.ndarray]]
+  notes: Callable[[], str] = lambda: ""
+  close: Callable[[], None] = lambda: None
 
 
-def _timed(fn: Callable[[], np.ndarray], warmup: int, reps: int) -> tuple[list[float], np.ndarray]:
-  """Calls `fn` (which must return host tokens, so all work is done) warmup + reps times."""
+def _local(fn: Callable[[], np.ndarray], warmup: int, **kw) -> Peer:
+  """A Peer of an in-process `fn` (which must return host tokens, so all work is done)."""
   for _ in range(warmup):
-    out = fn()
-  times = []
-  for _ in range(reps):
+    fn()
+
+  def call():
     t0 = time.perf_counter()
     out = fn()
-    times.append(time.perf_counter() - t0)
-  return times, out
+    return time.perf_counter() - t0, out
+
+  return Peer(call, **kw)
 
 
 # ------------------------------------------------------------------------------------------ peers
 
 
-def run_jaxrl(w: Workload) -> PeerResult:
+def run_jaxrl(w: Workload) -> Peer:
   """jaxrl v0 sampler: one jitted prefill + while_loop decode over a fixed-size KV cache."""
   from jaxrl.rollout.reference import make_sampler, row_keys
   from jaxrl.rollout.sampling import SamplingParams
@@ -144,11 +150,10 @@ def run_jaxrl(w: Workload) -> PeerResult:
     out = sample(w.params, tokens, mask, keys)
     return np.asarray(out.tokens)
 
-  times, out = _timed(call, w.warmup, w.reps)
-  return PeerResult(times, out)
+  return _local(call, w.warmup)
 
 
-def run_engine(w: Workload) -> PeerResult:
+def run_engine(w: Workload) -> Peer:
   """jaxrl continuous-batching engine through its Driver: B requests, B slots, one paged pool."""
   try:
     from jaxrl.rollout.driver import Driver, Request
@@ -184,27 +189,30 @@ def run_engine(w: Workload) -> PeerResult:
     done = sorted(result.finished, key=lambda c: c.request_id)
     return np.stack([c.tokens for c in done])
 
-  times, out = _timed(call, w.warmup, w.reps)
-  notes = (
-    f"steps_per_call {w.engine_steps_per_call}; last run: {stats['decode_steps']} decode steps in "
-    f"{stats['generate_calls']} calls; {engine.generate_compiles} decode compile(s)"
-  )
-  return PeerResult(times, out, notes=notes)
+  def notes():
+    return (
+      f"steps_per_call {w.engine_steps_per_call}; last run: {stats['decode_steps']} decode "
+      f"steps in {stats['generate_calls']} calls; {engine.generate_compiles} decode compile(s)"
+    )
+
+  return _local(call, w.warmup, notes=notes)
 
 
-def _int8(run: Callable[[Workload], PeerResult]) -> Callable[[Workload], PeerResult]:
+def _int8(run: Callable[[Workload], Peer]) -> Callable[[Workload], Peer]:
   """`run` on int8 params: quantized once here (quantize-on-sync), outside every timed call."""
 
-  def run_int8(w: Workload) -> PeerResult:
+  def run_int8(w: Workload) -> Peer:
     params = jax.block_until_ready(jax.jit(quantize_params)(w.params))
-    r = run(dataclasses.replace(w, params=params))
-    return PeerResult(r.times_s, r.tokens, "; ".join(n for n in (INT8_NOTE, r.notes) if n))
+    peer = run(dataclasses.replace(w, params=params))
+    inner = peer.notes
+    peer.notes = lambda: "; ".join(n for n in (INT8_NOTE, inner()) if n)
+    return peer
 
   run_int8.__doc__ = f"{run.__doc__.splitlines()[0]} With {INT8_NOTE}."
   return run_int8
 
 
-def run_hf(w: Workload) -> PeerResult:
+def run_hf(w: Workload) -> Peer:
   """HF transformers `generate` on torch CPU: float32, eval mode, inference_mode, KV cache on."""
   import torch
   from transformers import Qwen3ForCausalLM
@@ -229,47 +237,68 @@ def run_hf(w: Workload) -> PeerResult:
       )
     return out[:, ids.shape[1] :].numpy().astype(np.int32)
 
-  times, out = _timed(call, w.warmup, w.reps)
-  return PeerResult(times, out, notes=f"torch threads {torch.get_num_threads()}")
+  threads = torch.get_num_threads()
+  return _local(call, w.warmup, notes=lambda: f"torch threads {threads}")
 
 
-def run_tunix(w: Workload) -> PeerResult:
-  """Tunix `Sampler` in its own venv (it needs safetensors<0.8), as a JSON-in/JSON-out child."""
+def run_tunix(w: Workload) -> Peer:
+  """Tunix `Sampler` in its own venv (it needs safetensors<0.8): a child process that loads the
+  checkpoint, warms up, then decodes once per line it reads and answers with its own timing."""
   if not TUNIX_PYTHON.exists():
     raise FileNotFoundError(
       f"{TUNIX_PYTHON} is missing; create the Tunix venv first (see bench/README.md)"
     )
-  with tempfile.TemporaryDirectory() as tmp:
-    request = Path(tmp) / "request.json"
-    response = Path(tmp) / "response.json"
-    request.write_text(
-      json.dumps(
-        {
-          "checkpoint": str(w.checkpoint),
-          "prompts": w.prompts.tolist(),
-          "new_tokens": w.new_tokens,
-          "warmup": w.warmup,
-          "reps": w.reps,
-          "pad_id": PAD_ID,
-          "eos_id": NO_EOS,
-          "threads": _num_cores(),
-        }
-      )
+  tmp = tempfile.TemporaryDirectory()
+  request = Path(tmp.name) / "request.json"
+  request.write_text(
+    json.dumps(
+      {
+        "checkpoint": str(w.checkpoint),
+        "prompts": w.prompts.tolist(),
+        "new_tokens": w.new_tokens,
+        "warmup": w.warmup,
+        "pad_id": PAD_ID,
+        "eos_id": NO_EOS,
+        "threads": _num_cores(),
+      }
     )
-    proc = subprocess.run(
-      [str(TUNIX_PYTHON), str(TUNIX_PEER), str(request), str(response)],
-      capture_output=True,
-      text=True,
-      env={k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "XLA_FLAGS")},
-    )
-    if proc.returncode != 0:
-      raise RuntimeError(f"tunix peer failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
-    result = json.loads(response.read_text())
-  _VERSIONS.update(result.get("versions", {}))
-  return PeerResult(result["times_s"], np.asarray(result["tokens"], np.int32), result["notes"])
+  )
+  proc = subprocess.Popen(
+    [str(TUNIX_PYTHON), str(TUNIX_PEER), str(request)],
+    stdin=subprocess.PIPE,
+    stdout=subprocess.PIPE,
+    stderr=subprocess.PIPE,
+    text=True,
+    env={k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "XLA_FLAGS")},
+  )
+
+  def ask(command: str) -> dict:
+    proc.stdin.write(command + "\n")
+    proc.stdin.flush()
+    for line in proc.stdout:  # the child's own prints are skipped; answers are tagged
+      if line.startswith(TUNIX_TAG):
+        return json.loads(line[len(TUNIX_TAG) :])
+    proc.wait()
+    raise RuntimeError(f"tunix peer failed (exit {proc.returncode}):\n{proc.stderr.read()[-4000:]}")
+
+  ready = ask("ready")
+  _VERSIONS.update(ready.get("versions", {}))
+
+  def call():
+    answer = ask("call")
+    return answer["seconds"], np.asarray(answer["tokens"], np.int32)
+
+  def close():
+    if proc.poll() is None:
+      proc.stdin.write("quit\n")
+      proc.stdin.close()
+      proc.wait(timeout=60)
+    tmp.cleanup()
+
+  return Peer(call, notes=lambda: ready["notes"], close=close)
 
 
-PEERS: dict[str, Callable[[Workload], PeerResult]] = {
+PEERS: dict[str, Callable[[Workload], Peer]] = {
   "jaxrl": run_jaxrl,
   "engine": run_engine,
   "jaxrl-int8": _int8(run_jaxrl),
@@ -346,6 +375,9 @@ def main(argv=None) -> dict:
   ap.add_argument("--new-tokens", type=int, default=128)
   ap.add_argument("--reps", type=int, default=5, help="timed calls per peer (median reported)")
   ap.add_argument("--warmup", type=int, default=1, help="untimed calls first (compilation)")
+  ap.add_argument(
+    "--gap", type=float, default=0.25, help="seconds of idle before every timed call (0 = none)"
+  )
   ap.add_argument("--quick", action="store_true", help="sanity run: 2 reps of 32 new tokens")
   ap.add_argument(
     "--torch-threads",
@@ -375,6 +407,8 @@ def main(argv=None) -> dict:
       raise SystemExit(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
   if args.warmup < 0:
     raise SystemExit(f"--warmup must be >= 0, got {args.warmup}")
+  if args.gap < 0:
+    raise SystemExit(f"--gap must be >= 0, got {args.gap}")
 
   rng = np.random.default_rng(SEED)
   results, agreement = [], {}
@@ -401,17 +435,35 @@ def main(argv=None) -> dict:
         args.torch_threads,
         args.engine_steps_per_call,
       )
-      tokens = {}
+      ready = {}
+      try:
+        for peer in peers:
+          print(f"[{model}] {peer}: compiling and warming up ...", flush=True)
+          ready[peer] = PEERS[peer](w)
+        tokens, times = {}, {p: [] for p in peers}
+        for rep in range(args.reps):
+          # One timed call of every peer per repetition, in an order rotated by one each time:
+          # a drift in the machine's speed (this VM's moves by 2x within minutes) falls on all
+          # peers alike, and each call's neighbours in time are the other peers' calls.
+          for peer in peers[rep % len(peers) :] + peers[: rep % len(peers)]:
+            time.sleep(args.gap)  # let spinning threads of the previous peer (torch) settle
+            seconds, out = ready[peer].call()
+            if out.shape != (args.batch, args.new_tokens):
+              raise RuntimeError(
+                f"{peer} produced tokens of shape {out.shape}; expected "
+                f"{(args.batch, args.new_tokens)}"
+              )
+            if peer in tokens and not np.array_equal(tokens[peer], out):
+              raise RuntimeError(f"{peer} decoded other tokens in repetition {rep + 1}")
+            tokens[peer] = out
+            times[peer].append(seconds)
+          print(f"[{model}] repetition {rep + 1}/{args.reps} done", flush=True)
+        notes = {peer: ready[peer].notes() for peer in peers}
+      finally:
+        for peer in ready.values():
+          peer.close()
       for peer in peers:
-        print(f"[{model}] {peer}: running ...", flush=True)
-        r = PEERS[peer](w)
-        if r.tokens.shape != (args.batch, args.new_tokens):
-          raise RuntimeError(
-            f"{peer} produced tokens of shape {r.tokens.shape}; expected "
-            f"{(args.batch, args.new_tokens)}"
-          )
-        tokens[peer] = r.tokens
-        med = statistics.median(r.times_s)
+        med = statistics.median(times[peer])
         tps = args.batch * args.new_tokens / med
         results.append(
           {
@@ -419,12 +471,15 @@ def main(argv=None) -> dict:
             "peer": peer,
             "median_s": med,
             "tokens_per_s": tps,
-            "times_s": r.times_s,
+            "times_s": times[peer],
             "tokens_per_call": args.batch * args.new_tokens,
-            "notes": r.notes,
+            "notes": notes[peer],
           }
         )
-        print(f"[{model}] {peer}: {tps:9.1f} tok/s (median {med:.3f} s of {args.reps})", flush=True)
+        print(
+          f"[{model}] {peer}: {tps:9.1f} tok/s (median {med:.3f} s of {len(times[peer])})",
+          flush=True,
+        )
       # Greedy tokens of every peer against the first float32 jaxrl runner: same weights, same
       # argmax. For int8 peers the agreement is only reported (different numerics).
       ref = next((p for p in FLOAT_REFERENCES if p in tokens), None)
@@ -439,12 +494,29 @@ def main(argv=None) -> dict:
     for runner in runners:
       mine = next(x for x in results if x["model"] == r["model"] and x["peer"] == runner)
       r[f"ratio_{runner}_over_peer"] = mine["tokens_per_s"] / r["tokens_per_s"]
+      # The ratio call by call (peer time / runner time of the same repetition): its spread
+      # says how much the machine moved it.
+      paired = [t / m for t, m in zip(r["times_s"], mine["times_s"], strict=True)]
+      r[f"paired_ratio_{runner}_over_peer"] = {
+        "median": statistics.median(paired),
+        "min": min(paired),
+        "max": max(paired),
+      }
 
   heads = "".join(f"{runner + '/peer':>18}" for runner in runners)
   print(f"\n{'model':8} {'peer':12} {'tok/s':>10} {'median s':>10}{heads}")
   for r in results:
     ratios = "".join(f"{r[f'ratio_{runner}_over_peer']:18.2f}" for runner in runners)
     print(f"{r['model']:8} {r['peer']:12} {r['tokens_per_s']:10.1f} {r['median_s']:10.3f}{ratios}")
+  for r in results:
+    for runner in runners:
+      # The engine (the rollout path) against everything, the other runners against the peers.
+      if runner != r["peer"] and (runner == "engine" or r["peer"] not in JAXRL_RUNNERS):
+        p = r[f"paired_ratio_{runner}_over_peer"]
+        print(
+          f"{r['model']} {runner}/{r['peer']} call by call: median {p['median']:.2f} "
+          f"(min {p['min']:.2f}, max {p['max']:.2f})"
+        )
   for key, a in agreement.items():
     print(
       f"greedy agreement {key}: first {a['min_prefix']} tokens equal in every row "
@@ -462,6 +534,8 @@ def main(argv=None) -> dict:
       "prompt_len": args.prompt_len,
       "new_tokens": args.new_tokens,
       "reps": args.reps,
+      "gap_s": args.gap,
+      "order": "interleaved: one call per peer per repetition, order rotated each repetition",
       "warmup": args.warmup,
       "quick": args.quick,
       "torch_threads": args.torch_threads,

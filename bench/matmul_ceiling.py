@@ -7,6 +7,9 @@ layer with fresh weights (so, as in decoding, a layer's weights are not in cache
 and nothing else: no attention, norms, cache writes or sampling. It runs the chain with
 
   xla-f32     jnp.dot in float32 (what jaxrl, Tunix and any JAX sampler run)
+  xla-f32-model  the same float32 chain over the weights as jaxrl's models store them: q, k, v,
+              gate and up apart (the learner's own arrays, which the sampler reads without a
+              copy), plus the output head: the floor of a sampler that does not fuse weights
   xla-int8    W8A8: int8 x int8 -> int32 dot with per-row / per-channel scales (jaxrl.quant)
   numpy-f32   numpy's BLAS (OpenBLAS in the numpy wheel)
   torch-f32   torch CPU (what HF generate runs), all cores
@@ -48,12 +51,19 @@ def shapes(cfg) -> list[tuple[int, int]]:
   return [(d, (n + 2 * k) * h), (n * h, d), (d, 2 * f), (f, d)]
 
 
+def model_shapes(cfg) -> list[tuple[int, int]]:
+  """(in, out) of one layer's projections as the model stores them: q, k, v, o, gate, up, down."""
+  d, n, k, h, f = cfg.embed_dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.mlp_dim
+  return [(d, n * h), (d, k * h), (d, k * h), (n * h, d), (d, f), (d, f), (f, d)]
+
+
 def _chain(x, layers, mm):
   # Each matmul's input is made from the previous output so nothing can run ahead or be skipped.
   for ws in layers:
     for w in ws:
       d_in = w.shape[0]  # a QArray has its weight's shape too
       y = mm(jnp.tile(x, (1, -(-d_in // x.shape[1])))[:, :d_in], w)
+      y = jnp.tile(y, (1, -(-x.shape[1] // y.shape[1])))  # k/v outputs are narrower than x
       x = x + 1e-3 * y[:, : x.shape[1]]
   return x
 
@@ -84,6 +94,17 @@ def run(model: str, reps: int) -> list[dict]:
   chain = jax.jit(lambda x, ws: _chain(x, ws, jnp.dot))
   out.append(("xla-f32", _time(lambda: chain(x, f32).block_until_ready(), reps)))
 
+  # The same FLOPs in the model's own weight layout, and its output head.
+  head = (cfg.embed_dim, cfg.vocab_size)
+  stored = [model_shapes(cfg)] * cfg.num_layers + [[head]]
+  stored = [
+    [jnp.asarray((0.02 * rng.standard_normal(s)).astype(np.float32)) for s in ws] for ws in stored
+  ]
+  model_flops = 2 * ROWS * sum(w.shape[0] * w.shape[1] for ws in stored for w in ws)
+  t = _time(lambda: chain(x, stored).block_until_ready(), reps)
+  model_row = {"model": model, "impl": "xla-f32-model", "ms_per_step": 1e3 * t}
+  model_row["gflops"] = model_flops / t / 1e9
+
   q8 = [[quantize_int8(jnp.asarray(w), 1) for w in ws] for ws in weights]
   int8 = jax.jit(lambda x, ws: _chain(x, ws, lambda a, w: int8_einsum("BD,DF->BF", a, w)))
   out.append(("xla-int8", _time(lambda: int8(x, q8).block_until_ready(), reps)))
@@ -100,10 +121,11 @@ def run(model: str, reps: int) -> list[dict]:
   tx = torch.from_numpy(x.copy())
   with torch.inference_mode():
     out.append(("torch-f32", _time(lambda: _chain_np(tx, tw, torch.matmul, torch.tile), reps)))
-  return [
+  rows = [
     {"model": model, "impl": name, "ms_per_step": 1e3 * t, "gflops": flops / t / 1e9}
     for name, t in out
   ]
+  return rows[:1] + [model_row] + rows[1:]
 
 
 def _chain_np(x, layers, mm, tile=np.tile):
