@@ -28,7 +28,7 @@ REPO = BENCH_DIR.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(BENCH_DIR))
 
-from decode_throughput import MODELS, _machine, _versions  # noqa: E402
+from _common import MODELS, machine, versions  # noqa: E402
 
 from jaxrl.models.transformer import make_model  # noqa: E402
 from jaxrl.rollout.driver import BATCHING_MODES, Driver, Request  # noqa: E402
@@ -180,8 +180,8 @@ def main(argv=None) -> dict:
   report = {
     "benchmark": "continuous_batching",
     "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-    "machine": _machine(),
-    "versions": _versions(),
+    "machine": machine(),
+    "versions": versions(),
     "settings": {
       "model": args.model,
       "requests": args.requests,

@@ -18,11 +18,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
-import importlib.metadata
-import importlib.util
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -36,9 +33,11 @@ import numpy as np
 BENCH_DIR = Path(__file__).resolve().parent
 REPO = BENCH_DIR.parent
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(BENCH_DIR))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+from _common import MODELS, machine, num_cores, versions  # noqa: E402
 
 from jaxrl.models.config import ModelConfig  # noqa: E402
 from jaxrl.models.hf import export_hf_checkpoint  # noqa: E402
@@ -58,29 +57,6 @@ INT8_NOTE = (
   "W8A8 int8 (per-channel weights, per-token activations); not the same numerics as the float32 "
   "peers"
 )
-
-
-def _qwen3_shaped(num_layers: int, embed_dim: int, heads: int, kv_heads: int, mlp: int):
-  return ModelConfig(
-    vocab_size=259,
-    num_layers=num_layers,
-    embed_dim=embed_dim,
-    num_heads=heads,
-    num_kv_heads=kv_heads,
-    head_dim=64,
-    mlp_dim=mlp,
-    # Tunix's Qwen3 attention hard-codes Qwen3's theta (it ignores its config's rope_theta).
-    rope_theta=1_000_000.0,
-    qk_norm=True,
-    tie_embeddings=True,
-    max_seq_len=1024,
-  )
-
-
-MODELS: dict[str, Callable[[], ModelConfig]] = {
-  "small": lambda: _qwen3_shaped(4, 256, 4, 2, 1024),
-  "medium": lambda: _qwen3_shaped(8, 512, 8, 4, 2048),
-}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -259,7 +235,7 @@ def run_tunix(w: Workload) -> Peer:
         "warmup": w.warmup,
         "pad_id": PAD_ID,
         "eos_id": NO_EOS,
-        "threads": _num_cores(),
+        "threads": num_cores(),
       }
     )
   )
@@ -317,31 +293,6 @@ _VERSIONS: dict[str, str] = {}
 # ------------------------------------------------------------------------------------ reporting
 
 
-def _num_cores() -> int:
-  return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-
-
-def _machine() -> dict:
-  model = platform.processor() or "unknown"
-  try:
-    for line in subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines():
-      if line.startswith("Model name:"):
-        model = line.split(":", 1)[1].strip()
-  except FileNotFoundError:
-    pass
-  return {"cpu": model, "cores": _num_cores(), "platform": platform.platform()}
-
-
-def _versions() -> dict:
-  out = {"python": platform.python_version()}
-  for pkg in ("jax", "jaxlib", "flax", "torch", "transformers"):
-    try:
-      out[pkg] = importlib.metadata.version(pkg)
-    except importlib.metadata.PackageNotFoundError:
-      out[pkg] = None
-  return out
-
-
 def prefix_agreement(a: np.ndarray, b: np.ndarray) -> dict:
   """How many leading greedy tokens two peers share, per row ([B, N] each)."""
   same = np.cumprod(a == b, axis=1)
@@ -382,7 +333,7 @@ def main(argv=None) -> dict:
   ap.add_argument(
     "--torch-threads",
     type=int,
-    default=_num_cores(),
+    default=num_cores(),
     help="torch intra-op threads for HF (default: all cores; on a loaded machine use 1, since\n"
     "spinning OpenMP threads slow down many-fold when cores are oversubscribed)",
   )
@@ -527,8 +478,8 @@ def main(argv=None) -> dict:
   report = {
     "benchmark": "decode_throughput",
     "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-    "machine": _machine(),
-    "versions": {**_versions(), **_VERSIONS},
+    "machine": machine(),
+    "versions": {**versions(), **_VERSIONS},
     "settings": {
       "batch": args.batch,
       "prompt_len": args.prompt_len,

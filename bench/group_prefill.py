@@ -30,7 +30,7 @@ REPO = BENCH_DIR.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(BENCH_DIR))
 
-from decode_throughput import MODELS, _machine, _versions  # noqa: E402
+from _common import MODELS, machine, versions  # noqa: E402
 
 from jaxrl.models.transformer import make_model  # noqa: E402
 from jaxrl.rollout.engine import Engine, request_key  # noqa: E402
@@ -190,8 +190,8 @@ def main(argv=None) -> dict:
   report = {
     "benchmark": "group_prefill",
     "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-    "machine": _machine(),
-    "versions": _versions(),
+    "machine": machine(),
+    "versions": versions(),
     "settings": {
       "model": args.model,
       "groups": groups,

@@ -38,7 +38,7 @@ sys.path.insert(0, str(BENCH_DIR.parent))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-from decode_throughput import MODELS, _machine, _num_cores, _versions  # noqa: E402
+from _common import MODELS, machine, num_cores, versions  # noqa: E402
 
 from jaxrl.quant import int8_einsum, quantize_int8  # noqa: E402
 
@@ -116,7 +116,7 @@ def run(model: str, reps: int) -> list[dict]:
 
   import torch
 
-  torch.set_num_threads(_num_cores())
+  torch.set_num_threads(num_cores())
   tw = [[torch.from_numpy(w.copy()) for w in ws] for ws in weights]
   tx = torch.from_numpy(x.copy())
   with torch.inference_mode():
@@ -155,8 +155,8 @@ def main(argv=None) -> dict:
   report = {
     "benchmark": "matmul_ceiling",
     "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-    "machine": _machine(),
-    "versions": {**_versions(), "numpy": np.__version__, "python": platform.python_version()},
+    "machine": machine(),
+    "versions": {**versions(), "numpy": np.__version__, "python": platform.python_version()},
     "settings": {"rows": ROWS, "reps": args.reps, "models": models},
     "results": results,
   }

@@ -37,7 +37,7 @@ sys.path.insert(0, str(BENCH_DIR))
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
-from decode_throughput import _machine, _versions  # noqa: E402
+from _common import machine, versions  # noqa: E402
 
 from jaxrl.config import validate  # noqa: E402
 from jaxrl.rl.loop import Trainer  # noqa: E402
@@ -163,9 +163,9 @@ def main(argv=None) -> int:
     }
     report = {
       "date": datetime.date.today().isoformat(),
-      "machine": _machine(),
+      "machine": machine(),
       "xla_flags": os.environ.get("XLA_FLAGS", ""),
-      "versions": _versions(),
+      "versions": versions(),
       "config": "configs/grpo_arith.py",
       "params": params_from,
       "shape": {

@@ -1,0 +1,92 @@
+"""What the benchmark scripts share: the benchmark models and the machine/version record.
+
+Every script's JSON carries `machine()` and `versions()`, so a result names the CPU, its vector
+extensions (XLA compiles for them, and speeds and float rounding differ with them), the XLA
+flags in force and the package versions it was measured with.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import platform
+import subprocess
+from collections.abc import Callable
+
+from jaxrl.models.config import ModelConfig
+
+# CPU extensions that change what XLA's CPU backend emits (or could): recorded, not required.
+ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16",
+             "avx512_fp16", "amx_tile", "amx_bf16", "amx_int8")  # fmt: skip
+
+
+def qwen3_shaped(num_layers: int, embed_dim: int, heads: int, kv_heads: int, mlp: int):
+  """A random-weight Qwen3-shaped decoder over the byte vocabulary (head dim 64)."""
+  return ModelConfig(
+    vocab_size=259,
+    num_layers=num_layers,
+    embed_dim=embed_dim,
+    num_heads=heads,
+    num_kv_heads=kv_heads,
+    head_dim=64,
+    mlp_dim=mlp,
+    # Tunix's Qwen3 attention hard-codes Qwen3's theta (it ignores its config's rope_theta).
+    rope_theta=1_000_000.0,
+    qk_norm=True,
+    tie_embeddings=True,
+    max_seq_len=1024,
+  )
+
+
+# The benchmark shapes: small (4L d256, 4/2 heads, MLP 1024) and medium (8L d512, 8/4, 2048).
+MODELS: dict[str, Callable[[], ModelConfig]] = {
+  "small": lambda: qwen3_shaped(4, 256, 4, 2, 1024),
+  "medium": lambda: qwen3_shaped(8, 512, 8, 4, 2048),
+}
+
+
+def num_cores() -> int:
+  """Cores this process may run on (its affinity mask, where the OS has one)."""
+  return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+
+
+def cpu_flags() -> list[str]:
+  """The ISA_FLAGS this CPU reports (Linux /proc/cpuinfo; empty elsewhere)."""
+  try:
+    with open("/proc/cpuinfo") as f:
+      for line in f:
+        if line.startswith("flags"):
+          have = set(line.split(":", 1)[1].split())
+          return [flag for flag in ISA_FLAGS if flag in have]
+  except OSError:
+    pass
+  return []
+
+
+def machine() -> dict:
+  """CPU model, cores, vector extensions, platform and XLA_FLAGS of this run."""
+  model = platform.processor() or "unknown"
+  try:
+    for line in subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines():
+      if line.startswith("Model name:"):
+        model = line.split(":", 1)[1].strip()
+  except FileNotFoundError:
+    pass
+  return {
+    "cpu": model,
+    "cores": num_cores(),
+    "cpu_flags": cpu_flags(),
+    "xla_flags": os.environ.get("XLA_FLAGS", ""),
+    "platform": platform.platform(),
+  }
+
+
+def versions() -> dict:
+  """Python and the numerical packages' versions (None where one is not installed)."""
+  out = {"python": platform.python_version()}
+  for pkg in ("jax", "jaxlib", "flax", "torch", "transformers"):
+    try:
+      out[pkg] = importlib.metadata.version(pkg)
+    except importlib.metadata.PackageNotFoundError:
+      out[pkg] = None
+  return out
