@@ -22,7 +22,7 @@ from pathlib import Path
 
 import ml_collections
 
-from jaxrl.config import config_module
+from jaxrl.config import complete, config_module
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
@@ -38,4 +38,4 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.rl.dynamic_sampling = dict(enabled=True, max_rounds=3)
   if arg != "smoke":
     c.rl.steps = 250
-  return c
+  return complete(c)

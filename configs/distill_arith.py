@@ -27,7 +27,7 @@ from pathlib import Path
 
 import ml_collections
 
-from jaxrl.config import config_module
+from jaxrl.config import complete, config_module
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
@@ -55,4 +55,4 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     align_low=0.8,
     align_high=0.95,
   )
-  return c
+  return complete(c)

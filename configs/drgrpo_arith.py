@@ -21,7 +21,7 @@ from pathlib import Path
 
 import ml_collections
 
-from jaxrl.config import config_module
+from jaxrl.config import complete, config_module
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
@@ -34,4 +34,4 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.rl.loss_aggregation = "seq-mean-token-sum-norm"
   if arg != "smoke":
     c.rl.steps = 250
-  return c
+  return complete(c)

@@ -21,6 +21,8 @@ only checks that everything moves.
 
 import ml_collections
 
+from jaxrl.config import complete
+
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c = ml_collections.ConfigDict()
@@ -107,4 +109,4 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.checkpoint.every = 3
   elif arg:
     raise ValueError(f"unknown config variant {arg!r}; valid: '' (full) or 'smoke'")
-  return c
+  return complete(c)

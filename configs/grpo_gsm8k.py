@@ -21,6 +21,8 @@ minute on a CPU; its accuracy stays at 0 (it checks that everything runs, not th
 
 import ml_collections
 
+from jaxrl.config import complete
+
 SYSTEM_PROMPT = (
   "Solve the math problem step by step. End with the final answer as a number after '####'."
 )
@@ -89,4 +91,4 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.checkpoint = dict(every=3, max_to_keep=1)
   elif arg:
     raise ValueError(f"unknown config variant {arg!r}; valid: '' (full) or 'smoke'")
-  return c
+  return complete(c)

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import ml_collections
 
-from jaxrl.config import config_module
+from jaxrl.config import complete, config_module
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
@@ -33,4 +33,4 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.rl.is_correction = "tis"
   if arg != "smoke":
     c.rl.steps = 250
-  return c
+  return complete(c)

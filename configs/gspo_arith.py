@@ -21,7 +21,7 @@ from pathlib import Path
 
 import ml_collections
 
-from jaxrl.config import config_module
+from jaxrl.config import complete, config_module
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
@@ -35,4 +35,4 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.rl.loss_aggregation = "seq-mean-token-mean"
   if arg != "smoke":
     c.rl.steps = 250
-  return c
+  return complete(c)

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import ml_collections
 
-from jaxrl.config import config_module
+from jaxrl.config import complete, config_module
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
@@ -46,4 +46,4 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   )
   if arg != "smoke":
     c.rl.steps = 250
-  return c
+  return complete(c)

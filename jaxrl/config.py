@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import importlib.util
 import math
 import os
@@ -350,6 +351,73 @@ def _check_value(path: str, value: Any, typ, meta) -> Any:
   if hi is not None and value > hi:
     raise ConfigError(f"config.{path}={value!r} is out of range; must be <= {hi}")
   return value
+
+
+def _default(f: dataclasses.Field):
+  return f.default if f.default is not dataclasses.MISSING else f.default_factory()
+
+
+def field_paths(cls=None, prefix: str = "") -> dict[str, bool]:
+  """Every field of `Config` by dotted path ("rl.rollout.batching"), True for a section."""
+  cls = Config if cls is None else cls
+  hints = typing.get_type_hints(cls)
+  out = {}
+  for f in dataclasses.fields(cls):
+    path = f"{prefix}{f.name}"
+    section = dataclasses.is_dataclass(hints[f.name])
+    out[path] = section
+    if section:
+      out.update(field_paths(hints[f.name], f"{path}."))
+  return out
+
+
+def complete(cfg):
+  """Fill every `Config` field a config file's ConfigDict leaves out with its default, in place,
+  and return it. A config file ends with `return complete(c)`: config flags can only override
+  fields the ConfigDict holds, so without it `--config.model.lora_rank=16` fails for a config
+  that never mentions LoRA. Values the file sets are kept; a section set to something other than
+  a dict is left for `validate` to report."""
+  import ml_collections
+
+  def fill(cls, node):
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+      typ = hints[f.name]
+      if dataclasses.is_dataclass(typ):
+        if f.name not in node:
+          node[f.name] = ml_collections.ConfigDict()
+        if isinstance(node[f.name], ml_collections.ConfigDict):
+          fill(typ, node[f.name])
+      elif f.name not in node:
+        node[f.name] = _default(f)
+
+  with cfg.unlocked():
+    fill(Config, cfg)
+  return cfg
+
+
+def unknown_field_message(path: str) -> str | None:
+  """None if `path` ("rl.beta") is a field or section of `Config`; otherwise an error naming
+  the full path and the closest valid ones: a near spelling in the same section, the same name
+  in another section, or else the section's fields."""
+  paths = field_paths()
+  if path in paths:
+    return None
+  parent = path.rpartition(".")[0]
+  while parent and not paths.get(parent, False):
+    parent = parent.rpartition(".")[0]
+  rest = path[len(parent) + 1 :] if parent else path
+  siblings = sorted(p.rpartition(".")[2] for p in paths if p.rpartition(".")[0] == parent)
+  close = [f"{parent}.{n}" if parent else n for n in difflib.get_close_matches(rest, siblings)]
+  if not close:  # the right name in the wrong section
+    name = path.rpartition(".")[2]
+    close = [p for p in paths if p.rpartition(".")[2] == name]
+  where = f"config.{parent}" if parent else "config"
+  if close:
+    hint = "did you mean " + " or ".join(f"config.{p}" for p in close) + "?"
+  else:
+    hint = f"valid fields of {where}: {', '.join(siblings)}"
+  return f"unknown field config.{path}; {hint}"
 
 
 def validate(cfg) -> Config:

@@ -1,5 +1,6 @@
 """Train with a config file: python -m launch.train --config=configs/grpo_arith.py[:smoke]."""
 
+import re
 import sys
 
 from absl import app, flags, logging
@@ -12,7 +13,15 @@ flags.mark_flags_as_required(["config"])
 
 
 def _parse_flags(argv):
-  """absl parsing, with config_flags' errors (unknown or mistyped field) as one clear line."""
+  """absl parsing, with config_flags' errors (unknown or mistyped field) as one clear line. An
+  override of a field `Config` does not have fails first, naming it and the closest valid ones
+  (config_flags itself says only "'foo'")."""
+  from jaxrl.config import unknown_field_message
+
+  for arg in argv[1:]:
+    m = re.match(r"--(?:no)?config\.([\w.]+)", arg)
+    if m and (msg := unknown_field_message(m.group(1))):
+      sys.exit(f"error in command-line flags: {msg}")
   try:
     return flags.FLAGS(argv)
   except (flags.Error, AttributeError, KeyError, TypeError, ValueError) as e:

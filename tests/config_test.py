@@ -1,9 +1,23 @@
 """Config validation: every bad value is an error that names the field and what is allowed."""
 
+from pathlib import Path
+
+import ml_collections
 import pytest
 
 import configs.grpo_arith as grpo_arith
-from jaxrl.config import Config, ConfigError, validate
+from jaxrl.config import (
+  Config,
+  ConfigError,
+  RLConfig,
+  complete,
+  config_module,
+  field_paths,
+  unknown_field_message,
+  validate,
+)
+
+CONFIGS = sorted((Path(__file__).parent.parent / "configs").glob("*.py"))
 
 
 def test_defaults_and_the_shipped_config_validate():
@@ -126,3 +140,67 @@ def test_defaults_and_the_shipped_config_validate():
 def test_bad_values_name_the_field(raw, message):
   with pytest.raises(ConfigError, match=message):
     validate(raw)
+
+
+# ------------------------------------------------------- complete: every field in a config file
+
+
+def _leaf_paths(node, prefix=""):
+  out = {}
+  for key, value in node.items():
+    if hasattr(value, "items"):
+      out[f"{prefix}{key}"] = True
+      out.update(_leaf_paths(value, f"{prefix}{key}."))
+    else:
+      out[f"{prefix}{key}"] = False
+  return out
+
+
+@pytest.mark.parametrize("variant", [None, "smoke"])
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.stem)
+def test_every_config_file_holds_every_field(path, variant):
+  """What a config flag can override is what the ConfigDict holds: all of `Config`, no more."""
+  assert _leaf_paths(config_module(path).get_config(variant)) == field_paths()
+
+
+def test_complete_keeps_what_is_set_and_changes_nothing_validate_sees():
+  raw = ml_collections.ConfigDict({"rl": {"beta": 0.5, "rollout": {"slots": 3}}, "seed": 7})
+  before = validate(raw)
+  done = complete(raw)
+  assert done is raw
+  assert raw.rl.beta == 0.5 and raw.rl.rollout.slots == 3 and raw.seed == 7
+  assert raw.rl.group_size == RLConfig().group_size and raw.model.lora_rank == 0
+  assert validate(raw) == before
+  assert complete(raw).to_dict() == raw.to_dict()  # idempotent
+
+
+def test_complete_leaves_a_section_given_as_a_value_for_validate_to_report():
+  raw = ml_collections.ConfigDict({"rl": {"rollout": 3}})
+  complete(raw)
+  with pytest.raises(ConfigError, match=r"config\.rl\.rollout must be a section"):
+    validate(raw)
+
+
+@pytest.mark.parametrize(
+  "path, message",
+  [
+    ("rl.beta", None),
+    ("rl.rollout", None),
+    ("rl.betta", "unknown field config.rl.betta; did you mean config.rl.beta?"),
+    ("sft.carelessrate", "did you mean config.sft.careless_rate?"),
+    ("rl.lora_rank", "unknown field config.rl.lora_rank; did you mean config.model.lora_rank?"),
+    ("lora_rank", "did you mean config.model.lora_rank?"),
+    (
+      "rl.rollout.zzz",
+      "unknown field config.rl.rollout.zzz; valid fields of config.rl.rollout: batching, "
+      "num_pages, page_size, quantize, slots, steps_per_call",
+    ),
+    ("nope.x", "unknown field config.nope.x; valid fields of config: checkpoint, distill,"),
+  ],
+)
+def test_unknown_field_message_names_the_path_and_the_closest_fields(path, message):
+  got = unknown_field_message(path)
+  if message is None:
+    assert got is None
+  else:
+    assert got is not None and message in got, got
