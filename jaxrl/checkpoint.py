@@ -11,6 +11,8 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
+from jaxrl.mesh import path_str
+
 # How many offending leaves a mismatch error lists per category before eliding the rest.
 _MAX_LISTED = 10
 
@@ -173,22 +175,6 @@ def _as_abstract(x: Any) -> Any:
   return x
 
 
-def _path_str(path: tuple) -> str:
-  parts = []
-  for k in path:
-    if isinstance(k, jax.tree_util.DictKey):
-      parts.append(str(k.key))
-    elif isinstance(k, jax.tree_util.GetAttrKey):
-      parts.append(k.name)
-    elif isinstance(k, jax.tree_util.SequenceKey):
-      parts.append(str(k.idx))
-    elif isinstance(k, jax.tree_util.FlattenedIndexKey):
-      parts.append(str(k.key))
-    else:
-      parts.append(str(k))
-  return "/".join(parts)
-
-
 def _stored_shape(x: Any) -> tuple[int, ...] | None:
   # Typed PRNG keys are stored as their uint32 key data, which has trailing key dims.
   dtype = getattr(x, "dtype", None)
@@ -204,8 +190,8 @@ def _describe_mismatch(saved_tree: Any, target: Any) -> list[str]:
   Paths are compared as strings because orbax's metadata tree turns NamedTuples and
   nnx.Variables into plain dicts, so the treedefs themselves never match.
   """
-  saved = {_path_str(p): leaf for p, leaf in jax.tree_util.tree_flatten_with_path(saved_tree)[0]}
-  wanted = {_path_str(p): leaf for p, leaf in jax.tree_util.tree_flatten_with_path(target)[0]}
+  saved = {path_str(p): leaf for p, leaf in jax.tree_util.tree_flatten_with_path(saved_tree)[0]}
+  wanted = {path_str(p): leaf for p, leaf in jax.tree_util.tree_flatten_with_path(target)[0]}
   problems = []
 
   def listing(title: str, items: list[str]) -> None:

@@ -210,16 +210,9 @@ def _leaf_spec(leaf: Any, mesh: Mesh, rules: Rules, path: str, fallbacks: list[s
   return logical_to_spec(axes, rules, shape=shape, mesh=mesh, fallbacks=fallbacks)
 
 
-def _path_str(path: tuple[Any, ...]) -> str:
-  parts = []
-  for key in path:
-    for attr in ("key", "idx", "name"):
-      if hasattr(key, attr):
-        parts.append(str(getattr(key, attr)))
-        break
-    else:
-      parts.append(str(key))
-  return "/".join(parts)
+def path_str(path) -> str:
+  """A pytree key path as "layers/0/attn/q" (the form the rules table and checkpoints use)."""
+  return jax.tree_util.keystr(tuple(path), simple=True, separator="/")
 
 
 def param_shardings(params: Any, mesh: Mesh, rules: Rules | str) -> Any:
@@ -232,7 +225,7 @@ def param_shardings(params: Any, mesh: Mesh, rules: Rules | str) -> Any:
   rules = _as_rules(rules)
 
   def one(path, leaf):
-    sharding = NamedSharding(mesh, _leaf_spec(leaf, mesh, rules, _path_str(path), None))
+    sharding = NamedSharding(mesh, _leaf_spec(leaf, mesh, rules, path_str(path), None))
     return leaf.replace(sharding) if isinstance(leaf, nnx.Variable) else sharding
 
   return jax.tree_util.tree_map_with_path(one, params, is_leaf=_is_variable)
@@ -250,7 +243,7 @@ def describe_shardings(params: Any, mesh: Mesh, rules: Rules | str) -> list[str]
   for path, leaf in jax.tree_util.tree_flatten_with_path(params, is_leaf=_is_variable)[0]:
     value, axes = _leaf_value_and_axes(leaf)
     fallbacks: list[str] = []
-    name = _path_str(path)
+    name = path_str(path)
     spec = _leaf_spec(leaf, mesh, rules, name, fallbacks)
     line = f"{name} {tuple(getattr(value, 'shape', ()))} axes={axes} spec={spec}"
     if fallbacks:

@@ -160,7 +160,7 @@ def _by_path(tree):
   is_var = lambda x: isinstance(x, nnx.Variable)
   leaves = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_var)[0]
   return {
-    meshlib._path_str(path): leaf.get_value() if is_var(leaf) else leaf for path, leaf in leaves
+    meshlib.path_str(path): leaf.get_value() if is_var(leaf) else leaf for path, leaf in leaves
   }
 
 
@@ -270,3 +270,11 @@ def test_logical_constraint_places_the_output():
   # 7 rows do not split 8 ways: the constraint falls back to replicated instead of failing.
   assert odd.sharding.is_fully_replicated
   np.testing.assert_array_equal(got, 2 * np.ones((16, 3)))
+
+
+def test_path_str_joins_every_kind_of_key_with_slashes():
+  from jax.tree_util import DictKey, FlattenedIndexKey, GetAttrKey, SequenceKey
+
+  path = (DictKey("layers"), SequenceKey(0), GetAttrKey("attn"), FlattenedIndexKey(2), DictKey(5))
+  assert meshlib.path_str(path) == "layers/0/attn/2/5"
+  assert meshlib.path_str(()) == ""

@@ -18,7 +18,7 @@ from flax import nnx
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
-from jaxrl.mesh import Rules, param_shardings
+from jaxrl.mesh import Rules, param_shardings, path_str
 from jaxrl.models.config import _DTYPES, LAYER_TYPES, ModelConfig, RopeScaling, sliding_layer_types
 from jaxrl.models.lora import merge_lora
 from jaxrl.models.transformer import Transformer
@@ -574,10 +574,6 @@ def config_to_hf(cfg: ModelConfig, model_type: str | None = None) -> dict[str, A
 # --------------------------------------------------------------------------------------- weights
 
 
-def _path_str(path) -> str:
-  return "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
-
-
 def _is_variable(x) -> bool:
   return isinstance(x, nnx.Variable)
 
@@ -614,7 +610,7 @@ def weight_plan(
   covers is an error in the table, so it raises. LoRA adapters are not HF tensors: skipped.
   """
   leaves = jax.tree_util.tree_flatten_with_path(params, is_leaf=_is_variable)[0]
-  paths = {_path_str(p) for p, v in leaves if not isinstance(v, nnx.LoRAParam)}
+  paths = {path_str(p) for p, v in leaves if not isinstance(v, nnx.LoRAParam)}
   plan = {}
   for hf_name, path, kind in weight_map:
     layers = range(cfg.num_layers) if "{i}" in hf_name else [None]
@@ -691,12 +687,12 @@ def load_hf_checkpoint(
     raise ValueError(f"checkpoint {path} has unexpected tensors: {_names(unexpected)}")
 
   leaves = jax.tree_util.tree_flatten_with_path(abstract, is_leaf=_is_variable)[0]
-  targets = {_path_str(p): v for p, v in leaves}
+  targets = {path_str(p): v for p, v in leaves}
   shardings = {}
   if mesh is not None:
     sharded = param_shardings(abstract, mesh, rules)
     for p, v in jax.tree_util.tree_flatten_with_path(sharded, is_leaf=_is_variable)[0]:
-      shardings[_path_str(p)] = v.get_value()
+      shardings[path_str(p)] = v.get_value()
   loaded = {}
   # Per-expert tensors fill a host buffer that goes to its devices once its last expert is read.
   stacks: dict[str, np.ndarray] = {}
@@ -729,7 +725,7 @@ def load_hf_checkpoint(
   if cfg.lora_rank:
     loaded.update(_init_adapters(cfg, lora_seed, shardings))
   params = jax.tree_util.tree_map_with_path(
-    lambda p, v: v.replace(value=loaded[_path_str(p)]), abstract, is_leaf=_is_variable
+    lambda p, v: v.replace(value=loaded[path_str(p)]), abstract, is_leaf=_is_variable
   )
   return cfg, graphdef, params
 
@@ -743,7 +739,7 @@ def _init_adapters(cfg: ModelConfig, seed: int, shardings) -> dict[str, jax.Arra
   # One jitted init: the base weights it would also draw are not outputs, so XLA drops them.
   abstract = jax.eval_shape(init)
   paths = [
-    _path_str(p) for p, _ in jax.tree_util.tree_flatten_with_path(abstract, is_leaf=_is_variable)[0]
+    path_str(p) for p, _ in jax.tree_util.tree_flatten_with_path(abstract, is_leaf=_is_variable)[0]
   ]
   out_shardings = None
   if shardings:
@@ -761,7 +757,7 @@ def to_hf_state_dict(
   cfg, params = merge_lora(cfg, params)
   model_type = config_to_hf(cfg, model_type)["model_type"]
   values = {
-    _path_str(p): v.get_value()
+    path_str(p): v.get_value()
     for p, v in jax.tree_util.tree_flatten_with_path(params, is_leaf=_is_variable)[0]
   }
   plan = weight_plan(cfg, params, WEIGHT_MAPS[model_type])
