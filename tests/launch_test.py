@@ -66,6 +66,8 @@ def _parse(path, *overrides):
   return holder.value
 
 
+# config_flags loads config files with the deprecated load_module(), once per override here.
+@pytest.mark.filterwarnings("ignore:the load_module\\(\\) method is deprecated:DeprecationWarning")
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.stem)
 def test_every_field_can_be_set_from_the_command_line(path):
   """`--config.a.b=v` works for every field of `Config`, whatever the config file's dict holds
