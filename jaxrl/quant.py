@@ -138,7 +138,7 @@ def quantize_params(params: nnx.State, mode: str = "int8") -> nnx.State:
   """Quantize-on-sync: the param State with each dense projection weight made a `QArray`.
 
   Quantized: attention q, k, v, o and the dense MLP's gate, up, down (per output channel), which
-  `jaxrl.models.layers.project` then runs as W8A8 (`int8_einsum`). Left as they are: the
+  `jaxrl.models.linear.project` then runs as W8A8 (`int8_einsum`). Left as they are: the
   embedding and head, norms, q/k/v biases, LoRA adapters (nnx.LoRAParam: project applies them in
   float, so for a LoRA policy only the frozen base is quantized) and MoE router and expert
   weights (they go through ragged_dot, which has no int8 path here). Pure and jittable; but a

@@ -11,7 +11,7 @@ from flax import nnx
 
 from jaxrl.models import ModelConfig, Transformer
 from jaxrl.models import lora as lora_lib
-from jaxrl.models.layers import LoRA, project
+from jaxrl.models.linear import LoRA, project
 from jaxrl.models.transformer import apply as _apply
 from jaxrl.models.transformer import token_logprobs as _token_logprobs
 from jaxrl.quant import (
@@ -47,7 +47,7 @@ CFG = ModelConfig(
   max_seq_len=64,
 )
 PROJECTIONS = {"q": 1, "k": 1, "v": 1, "o": 2, "gate": 1, "up": 1, "down": 1}  # name: in_ndim
-# The einsums of jaxrl.models.layers.project, with x's and W's shapes (B T D N K H F).
+# The einsums of jaxrl.models.linear.project, with x's and W's shapes (B T D N K H F).
 B, T, D, N, K, H, F = 3, 5, 23, 6, 2, 10, 37
 EINSUMS = {
   "BTD,DNH->BTNH": ((B, T, D), (D, N, H)),

@@ -6,7 +6,7 @@ import dataclasses
 
 import jax.numpy as jnp
 
-_DTYPES = ("float32", "bfloat16", "float16")
+DTYPES = ("float32", "bfloat16", "float16")
 _ROPE_KINDS = ("llama3", "linear")
 LAYER_TYPES = ("full_attention", "sliding_attention")  # HF `layer_types` names
 MLP_ACTIVATIONS = ("silu", "gelu_tanh")
@@ -99,8 +99,8 @@ class ModelConfig:
         f"model.rope_scaling must be a RopeScaling or None, got {type(self.rope_scaling).__name__}"
       )
     for name in ("dtype", "param_dtype"):
-      if getattr(self, name) not in _DTYPES:
-        raise ValueError(f"model.{name}={getattr(self, name)!r}; allowed: {_DTYPES}")
+      if getattr(self, name) not in DTYPES:
+        raise ValueError(f"model.{name}={getattr(self, name)!r}; allowed: {DTYPES}")
     self._validate_gemma_fields()
     self._validate_moe_fields()
     self._validate_lora_fields()

@@ -19,7 +19,7 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from jaxrl.mesh import Rules, param_shardings, path_str
-from jaxrl.models.config import _DTYPES, LAYER_TYPES, ModelConfig, RopeScaling, sliding_layer_types
+from jaxrl.models.config import DTYPES, LAYER_TYPES, ModelConfig, RopeScaling, sliding_layer_types
 from jaxrl.models.lora import merge_lora
 from jaxrl.models.transformer import Transformer
 
@@ -180,8 +180,8 @@ def config_from_hf(hf: Mapping[str, Any]) -> ModelConfig:
   max_positions = hf.get("max_position_embeddings") or _DEFAULT_MAX_POSITIONS[model_type]
   rope_theta, rope_scaling = _rope_from_hf(hf, max_positions)
   dtype = hf.get("dtype") or hf.get("torch_dtype") or "float32"
-  if dtype not in _DTYPES:
-    raise ValueError(f"hf config dtype={dtype!r} is not supported; allowed: {_DTYPES}")
+  if dtype not in DTYPES:
+    raise ValueError(f"hf config dtype={dtype!r} is not supported; allowed: {DTYPES}")
   moe = _moe_from_hf(hf, model_type)
   try:
     return ModelConfig(
@@ -328,8 +328,8 @@ def _gemma3_from_hf(hf: Mapping[str, Any]) -> ModelConfig:
     window = None  # unused by every layer; ModelConfig keeps it only where some layer slides
   theta, local_theta, scaling = _gemma3_rope_from_hf(hf)
   dtype = hf.get("dtype") or hf.get("torch_dtype") or "float32"
-  if dtype not in _DTYPES:
-    raise ValueError(f"hf config dtype={dtype!r} is not supported; allowed: {_DTYPES}")
+  if dtype not in DTYPES:
+    raise ValueError(f"hf config dtype={dtype!r} is not supported; allowed: {DTYPES}")
   try:
     return ModelConfig(
       vocab_size=hf["vocab_size"],

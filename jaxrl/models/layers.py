@@ -1,90 +1,17 @@
-"""Transformer building blocks: RMSNorm, RoPE, grouped-query attention, gated MLP, LoRA."""
+"""Transformer building blocks: RMSNorm, RoPE, grouped-query attention, gated MLP (weights and
+LoRA adapters come from `linear.py`; the decoder block that joins them is in `transformer.py`)."""
 
 from __future__ import annotations
-
-import math
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxrl.kernels.contract import contract
 from jaxrl.kernels.paged_attention import PagedKV, paged_attention, write_kv
 from jaxrl.models.config import ModelConfig, RopeScaling
-from jaxrl.quant import QArray, int8_einsum
+from jaxrl.models.linear import make_adapters, param, project
 
 _NEG_INF = float(jnp.finfo(jnp.float32).min)
-
-
-def _param(rngs: nnx.Rngs, shape, fan_in: int, axes, dtype, scale: float = 1.0) -> nnx.Param:
-  std = scale / fan_in**0.5
-  value = std * jax.random.truncated_normal(rngs.params(), -2.0, 2.0, shape, jnp.float32)
-  return nnx.Param(value.astype(dtype), axes=axes)
-
-
-# Salt of the LoRA random stream, so adapters never reuse a key of the base params.
-_LORA_SALT = 0x10A4
-
-
-def lora_key(rngs: nnx.Rngs) -> jax.Array:
-  """A key for a module's LoRA adapters that leaves the `params` stream where it was.
-
-  Derived from the stream's key and its current count (unique per module), but not drawn from it,
-  so enabling LoRA does not shift a single base weight for the same seed.
-  """
-  stream = rngs.params
-  return jax.random.fold_in(jax.random.fold_in(stream.key[...], _LORA_SALT), stream.count[...])
-
-
-class LoRA(nnx.Module):
-  """Low-rank adapter of one projection W [*in, *out]: adds scale * (x A) B, scale = alpha / r.
-
-  A [*in, r] is Kaiming-uniform as in PEFT (bound 1 / sqrt(fan_in)); B [r, *out] starts at zero,
-  so a fresh adapter changes nothing. Both are `nnx.LoRAParam`s, so filters can pick them out.
-  """
-
-  def __init__(self, key, in_shape, in_axes, out_shape, out_axes, cfg: ModelConfig):
-    r, dt = cfg.lora_rank, cfg.weight_dtype
-    bound = math.prod(in_shape) ** -0.5
-    a = jax.random.uniform(key, (*in_shape, r), jnp.float32, -bound, bound)
-    self.a = nnx.LoRAParam(a.astype(dt), axes=(*in_axes, "lora"))
-    self.b = nnx.LoRAParam(jnp.zeros((r, *out_shape), dt), axes=("lora", *out_axes))
-    self.scale = cfg.lora_alpha / r
-
-
-def make_adapters(cfg: ModelConfig, rngs: nnx.Rngs, shapes: dict) -> dict[str, LoRA | None]:
-  """{name: LoRA or None} for the projections `shapes` = {name: (in, in_axes, out, out_axes)}."""
-  targets = set(cfg.lora_targets) if cfg.lora_rank else set()
-  keys = jax.random.split(lora_key(rngs), len(shapes)) if targets & set(shapes) else None
-  return {
-    name: LoRA(keys[i], *shape, cfg) if name in targets else None
-    for i, (name, shape) in enumerate(shapes.items())
-  }
-
-
-def project(eq: str, x: jax.Array, w: nnx.Param, adapter: LoRA | None = None) -> jax.Array:
-  """x through the projection `w` (einsum `eq`, e.g. "BTD,DNH->BTNH"), plus its adapter if any.
-
-  The adapter goes through the rank R bottleneck, (x A) B, so the merged weight W + A B is never
-  built on the forward: that would cost a full weight's memory and FLOPs every step.
-  A `jaxrl.quant.QArray` weight (int8 rollouts) runs as a W8A8 int8 einsum; the adapter
-  stays float.
-  """
-  dt = x.dtype
-  value = w.get_value()
-  if isinstance(value, QArray):
-    y = int8_einsum(eq, x, value)
-  else:
-    y = contract(eq, x, value.astype(dt))
-  if adapter is None:
-    return y
-  ins, out = eq.split("->")
-  xs, ws = ins.split(",")
-  contracted = "".join(c for c in ws if c in xs)
-  kept = "".join(c for c in ws if c not in xs)
-  lead = "".join(c for c in xs if c not in ws)
-  xa = contract(f"{xs},{contracted}R->{lead}R", x, adapter.a[...].astype(dt))
-  return y + adapter.scale * contract(f"{lead}R,R{kept}->{out}", xa, adapter.b[...].astype(dt))
 
 
 class RMSNorm(nnx.Module):
@@ -191,10 +118,10 @@ class Attention(nnx.Module):
 
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, layer_idx: int = 0):
     d, n, k, h, dt = cfg.embed_dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.weight_dtype
-    self.q = _param(rngs, (d, n, h), d, ("embed", "q_heads", "head_dim"), dt)
-    self.k = _param(rngs, (d, k, h), d, ("embed", "kv_heads", "head_dim"), dt)
-    self.v = _param(rngs, (d, k, h), d, ("embed", "kv_heads", "head_dim"), dt)
-    self.o = _param(
+    self.q = param(rngs, (d, n, h), d, ("embed", "q_heads", "head_dim"), dt)
+    self.k = param(rngs, (d, k, h), d, ("embed", "kv_heads", "head_dim"), dt)
+    self.v = param(rngs, (d, k, h), d, ("embed", "kv_heads", "head_dim"), dt)
+    self.o = param(
       rngs, (n, h, d), n * h, ("q_heads", "head_dim", "embed"), dt, (2 * cfg.num_layers) ** -0.5
     )
     zc = cfg.zero_centered_norms
@@ -268,9 +195,9 @@ class MLP(nnx.Module):
 
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
     d, f, dt = cfg.embed_dim, cfg.mlp_dim, cfg.weight_dtype
-    self.gate = _param(rngs, (d, f), d, ("embed", "mlp"), dt)
-    self.up = _param(rngs, (d, f), d, ("embed", "mlp"), dt)
-    self.down = _param(rngs, (f, d), f, ("mlp", "embed"), dt, (2 * cfg.num_layers) ** -0.5)
+    self.gate = param(rngs, (d, f), d, ("embed", "mlp"), dt)
+    self.up = param(rngs, (d, f), d, ("embed", "mlp"), dt)
+    self.down = param(rngs, (f, d), f, ("mlp", "embed"), dt, (2 * cfg.num_layers) ** -0.5)
     self.activation = cfg.mlp_activation
     d_in, f_in = ((d,), ("embed",)), ((f,), ("mlp",))
     lora = make_adapters(
@@ -284,35 +211,3 @@ class MLP(nnx.Module):
     # HF "gelu_pytorch_tanh" is the tanh approximation, which jax.nn.gelu computes by default.
     act = jax.nn.silu(g) if self.activation == "silu" else jax.nn.gelu(g, approximate=True)
     return project("BTF,FD->BTD", act * u, self.down, self.down_lora)
-
-
-class Block(nnx.Module):
-  """Pre-norm decoder block: x + attn(norm(x)), then x + mlp(norm(x)).
-
-  With `cfg.post_norms` (Gemma 2/3) each branch output is normed again before the residual add.
-  """
-
-  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, layer_idx: int = 0):
-    d, eps, dt, zc = cfg.embed_dim, cfg.norm_eps, cfg.weight_dtype, cfg.zero_centered_norms
-    self.attn_norm = RMSNorm(d, eps, dtype=dt, zero_centered=zc)
-    self.attn = Attention(cfg, rngs=rngs, layer_idx=layer_idx)
-    self.mlp_norm = RMSNorm(d, eps, dtype=dt, zero_centered=zc)
-    if cfg.num_experts:
-      from jaxrl.models.moe import MoEMLP  # moe.py builds on this module's helpers
-
-      self.mlp = MoEMLP(cfg, rngs=rngs)
-    else:
-      self.mlp = MLP(cfg, rngs=rngs)
-    # Norm scales are constants, not random draws: adding them leaves the RNG stream unchanged.
-    self.post_attn_norm = RMSNorm(d, eps, dtype=dt, zero_centered=zc) if cfg.post_norms else None
-    self.post_mlp_norm = RMSNorm(d, eps, dtype=dt, zero_centered=zc) if cfg.post_norms else None
-
-  def __call__(self, x, positions, kv_valid, cache=None, cache_index=0):
-    h, cache = self.attn(self.attn_norm(x), positions, kv_valid, cache, cache_index)
-    if self.post_attn_norm is not None:
-      h = self.post_attn_norm(h)
-    x = x + h
-    h = self.mlp(self.mlp_norm(x))
-    if self.post_mlp_norm is not None:
-      h = self.post_mlp_norm(h)
-    return x + h, cache

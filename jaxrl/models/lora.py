@@ -10,7 +10,7 @@ from flax import nnx
 
 from jaxrl.models.config import ModelConfig
 
-# The nnx filter of adapter params (A and B of every `jaxrl.models.layers.LoRA`).
+# The nnx filter of adapter params (A and B of every `jaxrl.models.linear.LoRA`).
 lora_filter = nnx.LoRAParam
 _DEFAULTS = {
   f.name: f.default for f in dataclasses.fields(ModelConfig) if f.name.startswith("lora")

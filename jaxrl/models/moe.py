@@ -7,7 +7,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxrl.models.config import ModelConfig
-from jaxrl.models.layers import _param
+from jaxrl.models.linear import param
 
 
 class Routing(nnx.Intermediate):
@@ -101,10 +101,10 @@ class MoEMLP(nnx.Module):
 
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
     d, f, e, dt = cfg.embed_dim, cfg.moe_mlp_dim, cfg.num_experts, cfg.weight_dtype
-    self.router = _param(rngs, (d, e), d, ("embed", "experts"), dt)
-    self.gate = _param(rngs, (e, d, f), d, ("experts", "embed", "mlp"), dt)
-    self.up = _param(rngs, (e, d, f), d, ("experts", "embed", "mlp"), dt)
-    self.down = _param(
+    self.router = param(rngs, (d, e), d, ("embed", "experts"), dt)
+    self.gate = param(rngs, (e, d, f), d, ("experts", "embed", "mlp"), dt)
+    self.up = param(rngs, (e, d, f), d, ("experts", "embed", "mlp"), dt)
+    self.down = param(
       rngs, (e, f, d), f, ("experts", "mlp", "embed"), dt, (2 * cfg.num_layers) ** -0.5
     )
     self.top_k = cfg.experts_per_token

@@ -7,9 +7,40 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxrl.models.config import ModelConfig
-from jaxrl.models.layers import Block, RMSNorm, softcap
+from jaxrl.models.layers import MLP, Attention, RMSNorm, softcap
+from jaxrl.models.moe import MoEMLP, Routing
 
 KVCache = tuple  # one (k, v) pair per layer, each [B, S, K, H]
+
+
+class Block(nnx.Module):
+  """Pre-norm decoder block: x + attn(norm(x)), then x + mlp(norm(x)).
+
+  With `cfg.post_norms` (Gemma 2/3) each branch output is normed again before the residual add.
+  """
+
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, layer_idx: int = 0):
+    d, eps, dt, zc = cfg.embed_dim, cfg.norm_eps, cfg.weight_dtype, cfg.zero_centered_norms
+    self.attn_norm = RMSNorm(d, eps, dtype=dt, zero_centered=zc)
+    self.attn = Attention(cfg, rngs=rngs, layer_idx=layer_idx)
+    self.mlp_norm = RMSNorm(d, eps, dtype=dt, zero_centered=zc)
+    if cfg.num_experts:
+      self.mlp = MoEMLP(cfg, rngs=rngs)
+    else:
+      self.mlp = MLP(cfg, rngs=rngs)
+    # Norm scales are constants, not random draws: adding them leaves the RNG stream unchanged.
+    self.post_attn_norm = RMSNorm(d, eps, dtype=dt, zero_centered=zc) if cfg.post_norms else None
+    self.post_mlp_norm = RMSNorm(d, eps, dtype=dt, zero_centered=zc) if cfg.post_norms else None
+
+  def __call__(self, x, positions, kv_valid, cache=None, cache_index=0):
+    h, cache = self.attn(self.attn_norm(x), positions, kv_valid, cache, cache_index)
+    if self.post_attn_norm is not None:
+      h = self.post_attn_norm(h)
+    x = x + h
+    h = self.mlp(self.mlp_norm(x))
+    if self.post_mlp_norm is not None:
+      h = self.post_mlp_norm(h)
+    return x + h, cache
 
 
 class Transformer(nnx.Module):
@@ -93,8 +124,6 @@ def apply_with_routing(graphdef: nnx.GraphDef, params: nnx.State, *args, **kwarg
   Returns (logits, cache, routing) with routing = {"experts": [L, B, T, k] int32,
   "router_logits": [L, B, T, E] float32} over the MoE layers in order, or None for a dense model.
   """
-  from jaxrl.models.moe import Routing  # moe.py imports layers, which this module imports
-
   model = nnx.merge(graphdef, params)
   (logits, cache), sown = nnx.capture(model, Routing)(*args, **kwargs)
   layers = sown.get("layers", {})

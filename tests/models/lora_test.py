@@ -11,7 +11,7 @@ from flax import nnx
 from jaxrl.mesh import get_rules, make_mesh, param_shardings
 from jaxrl.models import ModelConfig, make_model
 from jaxrl.models import lora as lora_lib
-from jaxrl.models.layers import project
+from jaxrl.models.linear import project
 from jaxrl.models.transformer import apply as _apply
 from jaxrl.models.transformer import positions_from_mask
 from jaxrl.models.transformer import token_logprobs as _token_logprobs
