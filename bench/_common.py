@@ -81,10 +81,10 @@ def machine() -> dict:
   }
 
 
-def versions() -> dict:
-  """Python and the numerical packages' versions (None where one is not installed)."""
+def versions(packages=("jax", "jaxlib", "flax", "torch", "transformers")) -> dict:
+  """Python's and `packages`' versions (None where one is not installed)."""
   out = {"python": platform.python_version()}
-  for pkg in ("jax", "jaxlib", "flax", "torch", "transformers"):
+  for pkg in packages:
     try:
       out[pkg] = importlib.metadata.version(pkg)
     except importlib.metadata.PackageNotFoundError:

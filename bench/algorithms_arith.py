@@ -18,12 +18,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
-import importlib.metadata
 import json
-import os
-import platform
 import shutil
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -31,7 +27,9 @@ from pathlib import Path
 BENCH_DIR = Path(__file__).resolve().parent
 REPO = BENCH_DIR.parent
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from _common import machine, versions  # noqa: E402
 from absl import logging as absl_logging  # noqa: E402
 from matplotlib.backends.backend_agg import FigureCanvasAgg  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
@@ -199,22 +197,9 @@ def markdown_table(runs: list[dict]) -> str:
 
 
 def environment() -> dict:
-  cpu = platform.processor() or "unknown"
-  try:
-    for line in subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines():
-      if line.startswith("Model name:"):
-        cpu = line.split(":", 1)[1].strip()
-  except FileNotFoundError:
-    pass
-  versions = {"python": platform.python_version()}
-  for pkg in ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint"):
-    try:
-      versions[pkg] = importlib.metadata.version(pkg)
-    except importlib.metadata.PackageNotFoundError:
-      versions[pkg] = None
   return {
-    "machine": {"platform": platform.platform(), "cpu": cpu, "cpu_count": os.cpu_count()},
-    "versions": versions,
+    "machine": machine(),
+    "versions": versions(("jax", "jaxlib", "flax", "optax", "orbax-checkpoint")),
     "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
   }
 
