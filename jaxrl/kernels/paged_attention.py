@@ -19,7 +19,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-_NEG_INF = float(jnp.finfo(jnp.float32).min)
+from jaxrl.kernels.attention import dot_attention
+
 IMPLS = ("auto", "reference")
 
 
@@ -94,7 +95,7 @@ def paged_attention_reference(
   q, k_pages, v_pages, page_table, lengths, q_positions, *, window=None, soft_cap=None, scale=None
 ) -> jax.Array:
   """Gather every sequence's pages per kv head into [K, B, M * page_size, H] and run masked dot
-  attention in that layout (`headmajor_gqa`)."""
+  attention in that layout (`jaxrl.kernels.attention.dot_attention`, kv_layout="KBSH")."""
   b, t, n, h = q.shape
   kh, _, page_size, _ = k_pages.shape
   m = page_table.shape[1]
@@ -105,38 +106,4 @@ def paged_attention_reference(
   mask = (s < lengths[:, None, None]) & (s <= pos)  # [B, T, S]
   if window is not None:
     mask = mask & (s > pos - window)
-  return headmajor_gqa(q, k, v, mask, soft_cap=soft_cap, scale=scale)
-
-
-def headmajor_gqa(q, k, v, mask, *, soft_cap=None, scale=None) -> jax.Array:
-  """`masked_gqa` with keys and values head-major: q [B, T, N, H]; k, v [K, B, S, H]; mask
-  [B, T, S] -> [B, T, N, H]. Only the (small) queries and outputs are transposed."""
-  b, t, n, h = q.shape
-  kh = k.shape[0]
-  q = jnp.moveaxis(q.reshape(b, t, kh, n // kh, h), 2, 0)  # [K, B, T, G, H]
-  logits = jnp.einsum("KBTGH,KBSH->KBTGS", q, k, preferred_element_type=jnp.float32)
-  logits = logits * (h**-0.5 if scale is None else scale)
-  if soft_cap is not None:
-    logits = soft_cap * jnp.tanh(logits / soft_cap)
-  logits = jnp.where(mask[None, :, :, None], logits, _NEG_INF)
-  probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
-  out = jnp.einsum("KBTGS,KBSH->KBTGH", probs, v)
-  return jnp.moveaxis(out, 0, 2).reshape(b, t, n, h)
-
-
-def masked_gqa(q, k, v, mask, *, soft_cap=None, scale=None) -> jax.Array:
-  """Grouped-query dot attention. q: [B, T, N, H]; k, v: [B, S, K, H]; mask: [B, T, S].
-
-  Query head n uses kv head n // (N / K), as in HF `repeat_kv`. Softmax in float32.
-  """
-  b, t, n, h = q.shape
-  kh = k.shape[2]
-  q = q.reshape(b, t, kh, n // kh, h)
-  logits = jnp.einsum("BTKGH,BSKH->BKGTS", q, k, preferred_element_type=jnp.float32)
-  logits = logits * (h**-0.5 if scale is None else scale)
-  if soft_cap is not None:
-    logits = soft_cap * jnp.tanh(logits / soft_cap)
-  logits = jnp.where(mask[:, None, None], logits, _NEG_INF)
-  probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
-  out = jnp.einsum("BKGTS,BSKH->BTKGH", probs, v)
-  return out.reshape(b, t, n, h)
+  return dot_attention(q, k, v, mask, scale=scale, logit_cap=soft_cap, kv_layout="KBSH")
