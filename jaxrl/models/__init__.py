@@ -6,6 +6,9 @@ One axis vocabulary, used in einsum strings, shape comments and sharding names e
 
 Logical parameter axes (mapped to mesh axes by the tables in `jaxrl.mesh`):
   "vocab", "embed", "q_heads", "kv_heads", "head_dim", "mlp", "norm", "experts", "lora".
+Logical activation axes (the model's `jaxrl.mesh.logical_constraint`s, same tables):
+  "batch", "length", "act_embed", "act_heads", "act_kv_heads", "act_head_dim", "act_mlp",
+  "act_vocab".
 """
 
 from jaxrl.models.config import ModelConfig, RopeScaling

@@ -12,6 +12,11 @@ LAYER_TYPES = ("full_attention", "sliding_attention")  # HF `layer_types` names
 MLP_ACTIVATIONS = ("silu", "gelu_tanh")
 # Projections a LoRA adapter can wrap: attention q/k/v/o and the dense (not MoE) gated MLP.
 LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
+# Activation rematerialisation of each block on the backward pass (`jax.checkpoint`): "none"
+# keeps every activation; "full" keeps only each block's input and recomputes the rest; the
+# others are the `jax.checkpoint_policies` of the same name (keep matmul outputs, or those
+# without batch dimensions, i.e. MaxText's "minimal"; recompute the elementwise rest).
+REMAT_POLICIES = ("none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,6 +84,12 @@ class ModelConfig:
   lora_rank: int = 0
   lora_alpha: float = 16.0
   lora_targets: tuple[str, ...] = LORA_TARGETS
+  # How the learner's forward (no KV cache) runs the blocks; neither changes the params, their
+  # per-layer layout or the sampler. scan_layers: one `jax.lax.scan` over the layers, so compile
+  # time stays flat in depth (see `jaxrl.models.transformer.Transformer`). remat: a name from
+  # REMAT_POLICIES, applied to each block.
+  scan_layers: bool = False
+  remat: str = "none"
 
   def __post_init__(self):
     for name in ("vocab_size", "num_layers", "embed_dim", "num_heads", "num_kv_heads"):
@@ -104,6 +115,10 @@ class ModelConfig:
     self._validate_gemma_fields()
     self._validate_moe_fields()
     self._validate_lora_fields()
+    if not isinstance(self.scan_layers, bool):
+      raise ValueError(f"model.scan_layers must be True or False, got {self.scan_layers!r}")
+    if self.remat not in REMAT_POLICIES:
+      raise ValueError(f"model.remat={self.remat!r}; allowed: {REMAT_POLICIES}")
 
   def _validate_gemma_fields(self):
     if self.layer_types is not None:

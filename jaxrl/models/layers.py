@@ -3,15 +3,31 @@ LoRA adapters come from `linear.py`; the decoder block that joins them is in `tr
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxrl.kernels.attention import dot_attention, softcap
 from jaxrl.kernels.paged_attention import PagedKV, paged_attention, write_kv
+from jaxrl.mesh import logical_constraint
 from jaxrl.models.config import ModelConfig, RopeScaling
 from jaxrl.models.linear import make_adapters, param, project
 
-_NEG_INF = float(jnp.finfo(jnp.float32).min)
+__all__ = [  # dot_attention and softcap live with the kernels; the model imports them from here
+  "MLP",
+  "Attention",
+  "RMSNorm",
+  "NO_WINDOW",
+  "LayerInputs",
+  "apply_rope",
+  "attention_mask",
+  "dot_attention",
+  "rope_inv_freq",
+  "rope_rotate",
+  "softcap",
+]
 
 
 class RMSNorm(nnx.Module):
@@ -32,11 +48,6 @@ class RMSNorm(nnx.Module):
     w = self.scale[...].astype(jnp.float32)
     y = x32 * jax.lax.rsqrt(var + self.eps) * (1.0 + w if self.zero_centered else w)
     return y.astype(x.dtype)
-
-
-def softcap(x: jax.Array, cap: float | None) -> jax.Array:
-  """cap * tanh(x / cap) (Gemma's logit soft-capping); x unchanged when cap is None."""
-  return x if cap is None else cap * jnp.tanh(x / cap)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None = None) -> jax.Array:
@@ -65,8 +76,13 @@ def apply_rope(
   x: jax.Array, positions: jax.Array, theta: float, scaling: RopeScaling | None = None
 ) -> jax.Array:
   """Rotary embedding in the HF "rotate half" layout. x: [B, T, N, H]; positions: [B, T]."""
+  return rope_rotate(x, positions, rope_inv_freq(x.shape[-1], theta, scaling))
+
+
+def rope_rotate(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
+  """`apply_rope` with the inverse frequencies [H/2] given (they differ per layer in Gemma 3, and
+  a scanned stack of layers receives them as an input)."""
   h = x.shape[-1]
-  inv_freq = rope_inv_freq(h, theta, scaling)  # [H/2]
   angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, H/2]
   cos = jnp.cos(angles)[:, :, None, :]
   sin = jnp.sin(angles)[:, :, None, :]
@@ -74,6 +90,22 @@ def apply_rope(
   x1, x2 = x32[..., : h // 2], x32[..., h // 2 :]
   out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
   return out.astype(x.dtype)
+
+
+class LayerInputs(NamedTuple):
+  """What may differ between layers that share one traced body under `jax.lax.scan`.
+
+  window: int32 scalar, the sliding window (`NO_WINDOW` for a global layer); inv_freq: [H/2]
+  RoPE inverse frequencies. A None field keeps the layer's own (static) value.
+  """
+
+  window: jax.Array | None = None
+  inv_freq: jax.Array | None = None
+
+
+# The window of a global layer inside a scan over mixed layers: larger than any sequence, and
+# small enough that `query_index - NO_WINDOW` cannot overflow int32.
+NO_WINDOW = 2**30
 
 
 def attention_mask(
@@ -95,22 +127,9 @@ def attention_mask(
   return kv_valid[:, None, :] & visible[None]
 
 
-def dot_attention(q, k, v, mask, *, scale: float | None = None, logit_cap: float | None = None):
-  """Grouped-query attention. q: [B, T, N, H]; k, v: [B, S, K, H]; mask: [B, T, S] -> [B, T, N, H].
-
-  Query head n uses kv head n // (N / K), as in HF `repeat_kv`. Scores are scaled by `scale`
-  (default H**-0.5), then soft-capped at `logit_cap` if given, then masked. Softmax in float32.
-  """
-  b, t, n, h = q.shape
-  kh = k.shape[2]
-  q = q.reshape(b, t, kh, n // kh, h)
-  logits = jnp.einsum("BTKGH,BSKH->BKGTS", q, k, preferred_element_type=jnp.float32)
-  logits = logits * (h**-0.5 if scale is None else scale)
-  logits = softcap(logits, logit_cap)
-  logits = jnp.where(mask[:, None, None], logits, _NEG_INF)
-  probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
-  out = jnp.einsum("BKGTS,BSKH->BTKGH", probs, v)
-  return out.reshape(b, t, n, h)
+# Logical axes of the attention activations (mapped to mesh axes by the rules of `jaxrl.mesh`).
+_Q_AXES = ("batch", "length", "act_heads", "act_head_dim")
+_KV_AXES = ("batch", "length", "act_kv_heads", "act_head_dim")
 
 
 class Attention(nnx.Module):
@@ -152,11 +171,13 @@ class Attention(nnx.Module):
     self.scale = None if cfg.query_pre_attn_scalar is None else cfg.query_pre_attn_scalar**-0.5
     self.logit_cap = cfg.attn_logit_softcap
 
-  def __call__(self, x, positions, kv_valid, cache=None, cache_index=0):
+  def __call__(self, x, positions, kv_valid, cache=None, cache_index=0, layer=None):
     """x: [B, T, D]; positions: [B, T]; kv_valid: [B, S] (S = T without a cache).
 
     With a cache (k, v: [B, S, K, H]) the new keys/values are written at `cache_index` and the
     queries attend over the whole cache; returns (out [B, T, D], new cache or None).
+    `layer` (`LayerInputs`) overrides this layer's window and RoPE frequencies with traced values
+    (the scanned stack of `jaxrl.models.transformer.Transformer`; no paged cache then).
     """
     dt = x.dtype
     q = project("BTD,DNH->BTNH", x, self.q, self.q_lora)
@@ -168,14 +189,23 @@ class Attention(nnx.Module):
       v = v + self.v_bias[...].astype(dt)
     if self.q_norm is not None:
       q, k = self.q_norm(q), self.k_norm(k)
-    q = apply_rope(q, positions, self.rope_theta, self.rope_scaling)
-    k = apply_rope(k, positions, self.rope_theta, self.rope_scaling)
+    layer = LayerInputs() if layer is None else layer
+    if layer.inv_freq is None:
+      q = apply_rope(q, positions, self.rope_theta, self.rope_scaling)
+      k = apply_rope(k, positions, self.rope_theta, self.rope_scaling)
+    else:
+      q = rope_rotate(q, positions, layer.inv_freq)
+      k = rope_rotate(k, positions, layer.inv_freq)
+    window = self.window if layer.window is None else layer.window
+    q = logical_constraint(q, _Q_AXES)
+    k = logical_constraint(k, _KV_AXES)
+    v = logical_constraint(v, _KV_AXES)
     if isinstance(cache, PagedKV):
       # Paged decode/prefill (the rollout engine): keys land in their pages at their positions;
       # `kv_valid` and `cache_index` are unused, the page table and lengths say it all.
       cache = write_kv(cache, k, v, positions)
       out = paged_attention(
-        q, cache, positions, window=self.window, soft_cap=self.logit_cap, scale=self.scale
+        q, cache, positions, window=window, soft_cap=self.logit_cap, scale=self.scale
       )
       return project("BTNH,NHD->BTD", out, self.o, self.o_lora), cache
     if cache is not None:
@@ -183,10 +213,11 @@ class Attention(nnx.Module):
       k = jax.lax.dynamic_update_slice_in_dim(ck, k.astype(ck.dtype), cache_index, axis=1)
       v = jax.lax.dynamic_update_slice_in_dim(cv, v.astype(cv.dtype), cache_index, axis=1)
       cache = (k, v)
-    mask = attention_mask(kv_valid, x.shape[1], cache_index, self.window)
+    mask = attention_mask(kv_valid, x.shape[1], cache_index, window)
     out = dot_attention(
       q, k.astype(dt), v.astype(dt), mask, scale=self.scale, logit_cap=self.logit_cap
     )
+    out = logical_constraint(out, _Q_AXES)
     return project("BTNH,NHD->BTD", out, self.o, self.o_lora), cache
 
 
@@ -210,4 +241,5 @@ class MLP(nnx.Module):
     u = project("BTD,DF->BTF", x, self.up, self.up_lora)
     # HF "gelu_pytorch_tanh" is the tanh approximation, which jax.nn.gelu computes by default.
     act = jax.nn.silu(g) if self.activation == "silu" else jax.nn.gelu(g, approximate=True)
-    return project("BTF,FD->BTD", act * u, self.down, self.down_lora)
+    h = logical_constraint(act * u, ("batch", "length", "act_mlp"))
+    return project("BTF,FD->BTD", h, self.down, self.down_lora)

@@ -6,11 +6,29 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxrl.mesh import logical_constraint
 from jaxrl.models.config import ModelConfig
-from jaxrl.models.layers import MLP, Attention, RMSNorm, softcap
+from jaxrl.models.layers import (
+  MLP,
+  NO_WINDOW,
+  Attention,
+  LayerInputs,
+  RMSNorm,
+  rope_inv_freq,
+  softcap,
+)
 from jaxrl.models.moe import MoEMLP, Routing
 
 KVCache = tuple  # one (k, v) pair per layer, each [B, S, K, H]
+
+# Logical axes of the residual stream [B, T, D] (see the rules tables of `jaxrl.mesh`).
+_ACT = ("batch", "length", "act_embed")
+
+_REMAT = {
+  "full": jax.checkpoint_policies.nothing_saveable,
+  "dots_saveable": jax.checkpoint_policies.dots_saveable,
+  "dots_with_no_batch_dims_saveable": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
 
 
 class Block(nnx.Module):
@@ -32,8 +50,8 @@ class Block(nnx.Module):
     self.post_attn_norm = RMSNorm(d, eps, dtype=dt, zero_centered=zc) if cfg.post_norms else None
     self.post_mlp_norm = RMSNorm(d, eps, dtype=dt, zero_centered=zc) if cfg.post_norms else None
 
-  def __call__(self, x, positions, kv_valid, cache=None, cache_index=0):
-    h, cache = self.attn(self.attn_norm(x), positions, kv_valid, cache, cache_index)
+  def __call__(self, x, positions, kv_valid, cache=None, cache_index=0, layer=None):
+    h, cache = self.attn(self.attn_norm(x), positions, kv_valid, cache, cache_index, layer)
     if self.post_attn_norm is not None:
       h = self.post_attn_norm(h)
     x = x + h
@@ -44,7 +62,33 @@ class Block(nnx.Module):
 
 
 class Transformer(nnx.Module):
-  """Token embedding, L pre-norm blocks, final RMSNorm, tied or untied output head."""
+  """Token embedding, L pre-norm blocks, final RMSNorm, tied or untied output head.
+
+  The blocks are stored per layer (`layers`: an nnx.List of `Block`), the layout the HF loader
+  and exporter, checkpoints, LoRA, quantisation and the sharding rules all read. How a forward
+  *without* a KV cache (the learner's) runs them is `cfg.scan_layers` and `cfg.remat`:
+
+  - scan_layers=False: a Python loop, one traced copy of the block per layer, so compile time
+    grows with depth. remat wraps each block in `jax.checkpoint` with its policy.
+  - scan_layers=True: the per-layer params are stacked inside the traced function ([L, ...]
+    per leaf) and one `jax.lax.scan` runs a single traced block over them; compile time no
+    longer grows with depth. The price is memory: the stack is a copy of the blocks' weights
+    that lives through the forward, and the backward builds the stacked gradient before it is
+    split back per layer, so up to one extra copy of the block weights (and one of their
+    gradients) is alive, sharded like the weights. What differs per layer is a scanned input
+    (`LayerInputs`): Gemma's sliding window (global layers get `NO_WINDOW`) and RoPE frequencies.
+    MoE layers scan too (every layer of a jaxrl MoE model is sparse); their routing comes back
+    as a scan output and is sown per layer, so `apply_with_routing` is unchanged.
+
+  Calls with a cache (the rollout engine's prefill and paged decode, `jaxrl.rollout.reference`)
+  always run the Python loop: the per-layer cache would have to be stacked and unstacked on
+  every decode step, a full copy of the KV cache each token. Decode does not differentiate, so
+  remat does not apply there either.
+
+  Activations carry logical sharding constraints (`jaxrl.mesh.logical_constraint`): the
+  embedding output and every block boundary ("batch", "length", "act_embed"), attention q/k/v
+  and output, the MLP hidden state, the logits. They are no-ops outside `jaxrl.mesh.use_mesh`.
+  """
 
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
     self.cfg = cfg
@@ -84,11 +128,16 @@ class Transformer(nnx.Module):
     if self.cfg.scale_embeddings:
       # Rounded to the activation dtype first, as HF Gemma does (sqrt(1152) -> 34.0 in bfloat16).
       x = x * jnp.asarray(self.cfg.embed_dim**0.5, x.dtype)
+    x = logical_constraint(x, _ACT)
     new_cache = []
-    for i, layer in enumerate(self.layers):
-      layer_cache = None if cache is None else cache[i]
-      x, layer_cache = layer(x, positions, kv_valid, layer_cache, cache_index)
-      new_cache.append(layer_cache)
+    if cache is None and (self.cfg.scan_layers or self.cfg.remat != "none"):
+      x = self._blocks_without_cache(x, positions, kv_valid)
+    else:
+      for i, layer in enumerate(self.layers):
+        layer_cache = None if cache is None else cache[i]
+        x, layer_cache = layer(x, positions, kv_valid, layer_cache, cache_index)
+        x = logical_constraint(x, _ACT)
+        new_cache.append(layer_cache)
     if logits_at is not None:
       x = jnp.take_along_axis(x, logits_at[:, None, None], axis=1)[:, 0]  # [B, D]
     x = self.final_norm(x)
@@ -98,8 +147,66 @@ class Transformer(nnx.Module):
       logits = jnp.einsum("...D,VD->...V", x, self.embed[...].astype(x.dtype))
     else:
       logits = jnp.einsum("...D,DV->...V", x, self.head[...].astype(x.dtype))
+    logits = logical_constraint(logits, ("batch", "length", "act_vocab")[-logits.ndim :])
     logits = softcap(logits.astype(jnp.float32), self.cfg.final_logit_softcap)
     return logits, (tuple(new_cache) if cache is not None else None)
+
+  def _blocks_without_cache(self, x, positions, kv_valid):
+    """The blocks of a cache-free forward, scanned and/or rematerialised (see the class doc)."""
+    cfg = self.cfg
+    capture = hasattr(self, "__captures__")  # under nnx.capture: MoE routing is being recorded
+    # Params apart from the rest (capture bookkeeping), so only arrays are stacked and scanned.
+    split = [nnx.split(layer, nnx.Param, ...) for layer in self.layers]
+
+    def run(graphdef, rest, params, x, layer):
+      block = nnx.merge(graphdef, params, rest)
+      if capture:
+        (y, _), sown = nnx.capture(block, Routing)(x, positions, kv_valid, layer=layer)
+        routing = sown["mlp"]["routing"][0] if "mlp" in sown else None  # (experts, logits)
+      else:
+        y, _ = block(x, positions, kv_valid, layer=layer)
+        routing = None
+      return logical_constraint(y, _ACT), routing
+
+    def remat(f, **kw):
+      return f if cfg.remat == "none" else jax.checkpoint(f, policy=_REMAT[cfg.remat], **kw)
+
+    if not cfg.scan_layers:
+      for layer, (graphdef, params, rest) in zip(self.layers, split, strict=True):
+        x, routing = remat(lambda p, x, g=graphdef, r=rest: run(g, r, p, x, None))(params, x)
+        if routing is not None:
+          layer.mlp.sow(Routing, "routing", routing)
+      return x
+    graphdef, _, rest = split[0]
+    structure = jax.tree.structure(split[0][1])
+    for i, (_, params, _) in enumerate(split):
+      if jax.tree.structure(params) != structure:
+        raise ValueError(
+          f"model.scan_layers=True needs every layer's params alike; layer {i} differs from "
+          "layer 0 (set model.scan_layers=False)"
+        )
+    stacked = jax.tree.map(lambda *leaves: jnp.stack(leaves), *(p for _, p, _ in split))  # [L, ...]
+    x, routing = jax.lax.scan(
+      remat(lambda x, xs: run(graphdef, rest, xs[0], x, xs[1]), prevent_cse=False),
+      x,
+      (stacked, self._layer_inputs()),
+    )
+    if routing is not None:
+      for i, layer in enumerate(self.layers):
+        layer.mlp.sow(Routing, "routing", jax.tree.map(lambda a, i=i: a[i], routing))
+    return x
+
+  def _layer_inputs(self) -> LayerInputs:
+    """Per-layer window and RoPE frequencies as scanned arrays; None where all layers agree."""
+    cfg, num = self.cfg, self.cfg.num_layers
+    windows = [cfg.layer_window(i) for i in range(num)]
+    ropes = [cfg.layer_rope(i) for i in range(num)]
+    window = inv_freq = None
+    if len(set(windows)) > 1:
+      window = jnp.asarray([NO_WINDOW if w is None else w for w in windows], jnp.int32)  # [L]
+    if len(set(ropes)) > 1:
+      inv_freq = jnp.stack([rope_inv_freq(cfg.head_dim, *rope) for rope in ropes])  # [L, H/2]
+    return LayerInputs(window, inv_freq)
 
 
 def make_model(cfg: ModelConfig, seed: int = 0) -> tuple[nnx.GraphDef, nnx.State]:

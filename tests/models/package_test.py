@@ -41,3 +41,20 @@ def test_the_model_package_has_no_import_cycles():
 
   for m in sorted(graph):
     visit(m, [])
+
+
+def test_one_gqa_attention_serves_the_dense_and_paged_paths():
+  import importlib
+
+  from jaxrl.kernels import attention
+  from jaxrl.models import layers
+
+  # The module, not the function of the same name that jaxrl.kernels re-exports.
+  paged_attention = importlib.import_module("jaxrl.kernels.paged_attention")
+
+  assert layers.dot_attention is attention.dot_attention
+  assert layers.softcap is attention.softcap
+  for gone in ("masked_gqa", "headmajor_gqa"):  # the copies the one function replaced
+    assert not hasattr(paged_attention, gone)
+  paged_source = Path(paged_attention.__file__).read_text()
+  assert "einsum" not in paged_source.split("def paged_attention_reference", 1)[1]

@@ -1,4 +1,7 @@
-"""Model tests: HF Qwen3 logits parity, cache vs no cache, padding invariance, config errors."""
+"""Model tests: HF Qwen3 logits parity, cache vs no cache, padding invariance, config errors,
+scanned and rematerialised blocks against the unrolled loop."""
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -7,11 +10,13 @@ import pytest
 from families import FAMILIES, family_model, family_prompts
 from flax import nnx
 
-from jaxrl.models import ModelConfig
+from jaxrl.models import ModelConfig, Transformer
+from jaxrl.models.config import REMAT_POLICIES
 from jaxrl.models.transformer import (
   apply as _apply,
 )
 from jaxrl.models.transformer import (
+  apply_with_routing,
   init_cache,
   make_model,
   positions_from_mask,
@@ -156,6 +161,8 @@ def test_default_init_is_unchanged_by_optional_params():
     (dict(head_dim=7), "head_dim"),
     (dict(embed_dim=0), "embed_dim"),
     (dict(dtype="int8"), "dtype"),
+    (dict(remat="sometimes"), "model.remat='sometimes'; allowed: .*dots_saveable"),
+    (dict(scan_layers="yes"), "model.scan_layers must be True or False"),
   ],
 )
 def test_bad_model_config_names_field(kw, field):
@@ -318,3 +325,123 @@ def test_cached_decoding_equals_full_forward_per_family(family):
   full, _ = apply(graphdef, params, tokens, positions_from_mask(valid), valid)
   cached = _decode_through_cache(graphdef, params, cfg, tokens, valid, p)
   np.testing.assert_allclose(np.asarray(cached)[valid], np.asarray(full)[valid], atol=1e-5, rtol=0)
+
+
+# --- scan_layers and remat --------------------------------------------------------------------
+
+
+def _graphdef(cfg: ModelConfig, **overrides) -> nnx.GraphDef:
+  """The graphdef of `cfg` with `overrides`; the params of `cfg` fit it unchanged."""
+  return nnx.graphdef(
+    nnx.eval_shape(lambda: Transformer(cfg.replace(**overrides), rngs=nnx.Rngs(0)))
+  )
+
+
+def _gemma_pattern_model():
+  """Five Gemma-style layers, sliding and global mixed irregularly (no period divides 5), each
+  with its own window and RoPE base; RoPE scaling on the global layers only."""
+  from jaxrl.models import RopeScaling
+
+  cfg = family_model("gemma3")[0].replace(
+    num_layers=5,
+    layer_types=("sliding_attention", "sliding_attention", "full_attention")
+    + (
+      "sliding_attention",
+      "full_attention",
+    ),
+    rope_scaling=RopeScaling("linear", 4.0),
+  )
+  return (cfg, *_random_params(cfg, seed=5))
+
+
+def _lora_model():
+  cfg = family_model("qwen3")[0].replace(num_layers=3, lora_rank=3)
+  return (cfg, *_random_params(cfg, seed=6))  # the B factors perturbed away from zero
+
+
+_SCAN_MODELS = {
+  **{f: lambda f=f: family_model(f) for f in ("qwen3", "llama", "qwen2", "gemma3", "qwen3_moe")},
+  "gemma_pattern": _gemma_pattern_model,
+  "qwen3_lora": _lora_model,
+}
+
+
+def _rows(cfg, b=3, t=13, seed=0):
+  rng = np.random.default_rng(seed)
+  tokens = jnp.asarray(rng.integers(3, cfg.vocab_size, size=(b, t)), jnp.int32)
+  valid = jnp.ones((b, t), bool).at[1, :3].set(False).at[2, :6].set(False)
+  return tokens, valid
+
+
+@pytest.mark.parametrize("model", list(_SCAN_MODELS))
+def test_scan_layers_equals_the_unrolled_forward(model):
+  cfg, graphdef, params = _SCAN_MODELS[model]()
+  tokens, valid = _rows(cfg)
+  args = (tokens, positions_from_mask(valid), valid)
+  unrolled, _ = apply(graphdef, params, *args)
+  scanned, _ = apply(_graphdef(cfg, scan_layers=True), params, *args)
+  # Dense, MoE and LoRA come out bit-identical. In the Gemma models XLA:CPU fuses the
+  # zero-centred norms and the embedding scale differently inside the scan body than across
+  # unrolled layers: a few float32 ulps at the logits' scale, so there 1e-6 of max |logits|.
+  scale = float(np.abs(unrolled).max()) if cfg.zero_centered_norms else 1.0
+  np.testing.assert_allclose(np.asarray(scanned), np.asarray(unrolled), atol=1e-6 * scale, rtol=0)
+  if cfg.num_experts:  # the routing comes back per layer, as from the loop
+    routing = jax.jit(apply_with_routing, static_argnums=0)
+    want = routing(graphdef, params, *args)[2]
+    got = routing(_graphdef(cfg, scan_layers=True), params, *args)[2]
+    np.testing.assert_array_equal(got["experts"], want["experts"])
+    np.testing.assert_allclose(got["router_logits"], want["router_logits"], atol=1e-6, rtol=0)
+    assert got["experts"].shape[0] == cfg.num_layers
+
+
+def test_scan_layers_and_remat_keep_the_param_layout_and_init():
+  cfg = ModelConfig.tiny().replace(num_layers=3)
+  _, base = make_model(cfg, seed=2)
+  _, other = make_model(cfg.replace(scan_layers=True, remat="full"), seed=2)
+  assert jax.tree.structure(other) == jax.tree.structure(base)
+  for a, b in zip(jax.tree.leaves(base), jax.tree.leaves(other), strict=True):
+    np.testing.assert_array_equal(a, b)
+  assert ("layers", 2, "attn", "q") in dict(nnx.to_flat_state(other))  # per layer, as stored
+
+
+def test_scan_layers_config_still_decodes_through_the_cache_as_the_full_forward():
+  # A cached call (the sampler's) runs the layers as a loop even with scan_layers=True; it must
+  # agree with the scanned learner forward.
+  cfg, _, params = family_model("gemma3")
+  graphdef = _graphdef(cfg, scan_layers=True, remat="full")
+  tokens, valid = _rows(cfg)
+  full, _ = apply(graphdef, params, tokens, positions_from_mask(valid), valid)
+  cached = _decode_through_cache(graphdef, params, cfg, tokens, valid, 4)
+  np.testing.assert_allclose(np.asarray(cached)[valid], np.asarray(full)[valid], atol=1e-5, rtol=0)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _loss_and_grads(graphdef, params, tokens, valid):
+  def loss(p):
+    logp = token_logprobs(graphdef, p, tokens, valid)
+    mask = valid.at[:, 0].set(False)
+    return -jnp.sum(jnp.where(mask, logp, 0.0)) / jnp.sum(mask)
+
+  return jax.value_and_grad(loss)(params)
+
+
+@pytest.mark.parametrize("model", ["gemma3", "qwen3_moe"])
+@pytest.mark.parametrize("scan", [False, True])
+def test_remat_leaves_loss_and_gradients_unchanged(model, scan):
+  cfg, graphdef, params = family_model(model)
+  tokens, valid = _rows(cfg, seed=1)
+  ref_loss, ref_grads = _loss_and_grads(graphdef, params, tokens, valid)
+  base = _graphdef(cfg, scan_layers=scan)
+  loss, grads = _loss_and_grads(base, params, tokens, valid) if scan else (ref_loss, ref_grads)
+  # Scanning computes the same maths (the gradient per layer, split back from the stack).
+  np.testing.assert_allclose(loss, ref_loss, atol=1e-6, rtol=0)
+  for want, got in zip(jax.tree.leaves(ref_grads), jax.tree.leaves(grads), strict=True):
+    np.testing.assert_allclose(got, want, atol=1e-6, rtol=0)
+  for policy in REMAT_POLICIES[1:]:
+    r_loss, r_grads = _loss_and_grads(
+      _graphdef(cfg, scan_layers=scan, remat=policy), params, tokens, valid
+    )
+    np.testing.assert_array_equal(r_loss, loss, err_msg=policy)  # the same forward, recomputed
+    assert jax.tree.structure(r_grads) == jax.tree.structure(grads)
+    for want, got in zip(jax.tree.leaves(grads), jax.tree.leaves(r_grads), strict=True):
+      np.testing.assert_allclose(got, want, atol=1e-6, rtol=0, err_msg=policy)
