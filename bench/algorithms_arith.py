@@ -173,7 +173,7 @@ def plot(runs: list[dict], out_png: Path, title: str) -> Path:
         xs, ys = zip(*run[key], strict=True)
         ax.plot(xs, ys, marker="o" if len(xs) <= 50 else None, markersize=3, label=run["name"])
   ax_acc.set_title(f"held-out accuracy (greedy); step 0 = after SFT — {title}")
-  ax_rew.set_title("sampled reward (T = rl.temperature)")
+  ax_rew.set_title("sampled reward (T = rl.sampling.temperature)")
   for ax in (ax_acc, ax_rew):
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, loc="best")

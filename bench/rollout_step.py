@@ -40,7 +40,9 @@ import numpy as np  # noqa: E402
 from _common import machine, versions  # noqa: E402
 
 from jaxrl.config import validate  # noqa: E402
-from jaxrl.rl.loop import Trainer  # noqa: E402
+from jaxrl.rl.evaluation import GREEDY  # noqa: E402
+from jaxrl.rl.experience import build_sampler  # noqa: E402
+from jaxrl.rl.run import Run, restore_params  # noqa: E402
 from jaxrl.rollout.collect import left_pad  # noqa: E402
 from jaxrl.rollout.reference import make_sampler, row_keys  # noqa: E402
 
@@ -89,28 +91,28 @@ def main(argv=None) -> int:
       params_from = f"SFT checkpoint of {args.sft_workdir}"
     c.workdir = str(tmp)
     cfg = validate(c)
-    trainer = Trainer(cfg, log=lambda *_: None)
-    params = trainer.init_params
+    run = Run.build(cfg)
+    params = run.init_params
     if args.sft_workdir:
-      _, step, params = trainer.restore_params("sft")
+      _, step, params = restore_params(run, "sft")
       params_from += f" (step {step})"
     rl = cfg.rl
     g = rl.group_size
     rng = np.random.default_rng(0)
-    records = [trainer.task.sample(rng) for _ in range(rl.prompts_per_step)]
-    prompts = trainer._encode(records)
-    held_out = trainer._encode(trainer.held_out)
-    tok = trainer.tokenizer
+    records = [run.task.sample(rng) for _ in range(rl.prompts_per_step)]
+    prompts = run.encode(records)
+    held_out = run.encode(run.held_out)
+    tok = run.tokenizer
 
     # The engine, as the loop calls it.
-    sampler = trainer.group_sampler
+    sampler = build_sampler(run)
 
     def engine_round():
       out, _ = sampler(params, prompts, group_size=g, seed=1, version=0)
       return out
 
     def engine_eval():
-      out, _ = sampler(params, held_out, group_size=1, seed=2, sampling=trainer.greedy)
+      out, _ = sampler(params, held_out, group_size=1, seed=2, sampling=GREEDY)
       return out
 
     # The v0 static sampler, as the loop ran it before.
@@ -120,8 +122,8 @@ def main(argv=None) -> int:
       eos_id=tok.eos_id,
       pad_id=tok.pad_id,
     )
-    v0_sample = make_sampler(trainer.graphdef, trainer.model_cfg, sampling=trainer.sampling, **kw)
-    v0_greedy = make_sampler(trainer.graphdef, trainer.model_cfg, sampling=trainer.greedy, **kw)
+    v0_sample = make_sampler(run.graphdef, run.model_cfg, sampling=sampler.sampling, **kw)
+    v0_greedy = make_sampler(run.graphdef, run.model_cfg, sampling=GREEDY, **kw)
     rows = [p for p in prompts for _ in range(g)]
     toks, mask = left_pad(rows, rl.max_prompt_len, tok.pad_id)
     keys = row_keys(jax.random.key(1), np.arange(len(rows)))
@@ -186,7 +188,6 @@ def main(argv=None) -> int:
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
     print(json.dumps({"v0_over_engine": ratios, "lengths": lengths}, indent=1))
-    trainer.close()
   finally:
     shutil.rmtree(tmp, ignore_errors=True)
   return 0

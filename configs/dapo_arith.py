@@ -30,10 +30,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     raise ValueError(f"unknown config variant {arg!r}; valid: '' (full) or 'smoke'")
   c = config_module(Path(__file__).with_name("grpo_arith.py")).get_config(arg or None)
   c.workdir = "runs/dapo_arith_smoke" if arg == "smoke" else "runs/dapo_arith"
-  c.rl.eps_low = 0.2
-  c.rl.eps_high = 0.28  # clip-higher
-  c.rl.loss_aggregation = "token-mean"
-  c.rl.beta = 0.0
+  c.rl.loss.eps_low = 0.2
+  c.rl.loss.eps_high = 0.28  # clip-higher
+  c.rl.loss.aggregation = "token-mean"
+  c.rl.kl.beta = 0.0
   c.rl.overlong = dict(buffer=2, penalty=1.0, mask_truncated=True)
   c.rl.dynamic_sampling = dict(enabled=True, max_rounds=3)
   if arg != "smoke":

@@ -39,7 +39,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.rl.steps = 100
   c.rl.group_size = 1  # no group baseline is needed: the teacher scores every token
   c.rl.prompts_per_step = 256 if arg != "smoke" else 16
-  c.rl.learning_rate = 1e-4 if arg != "smoke" else 3e-4
+  c.rl.optim.learning_rate = 1e-4 if arg != "smoke" else 3e-4
   teacher = dict(path="runs/grpo_arith/hf", preset="", seed=0, dtype="float32")
   if arg == "smoke":
     teacher = dict(path="", preset="arith_small", seed=1, dtype="float32")

@@ -31,7 +31,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.workdir = "runs/drgrpo_arith_smoke" if arg == "smoke" else "runs/drgrpo_arith"
   c.rl.advantage = "dr_grpo"
   c.rl.scale_by_std = False
-  c.rl.loss_aggregation = "seq-mean-token-sum-norm"
+  c.rl.loss.aggregation = "seq-mean-token-sum-norm"
   if arg != "smoke":
     c.rl.steps = 250
   return complete(c)

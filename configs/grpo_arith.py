@@ -2,7 +2,7 @@
 
 Launch (installs into .venv on first use):
   bash launch/train.sh                                    # = --config=configs/grpo_arith.py
-  bash launch/train.sh --config=configs/grpo_arith.py:smoke --config.rl.beta=0.0
+  bash launch/train.sh --config=configs/grpo_arith.py:smoke --config.rl.kl.beta=0.0
   python -m launch.train --config=configs/grpo_arith.py --config.workdir=/tmp/arith
 
 The warm-start imitates a careless teacher: 60% of its demonstrations of problems that need a
@@ -50,24 +50,26 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     group_size=8,
     max_prompt_len=8,  # BOS + "99+99=" + 1 spare
     max_new_tokens=6,  # "198" + EOS + 2 spare: a wrong, longer answer is scored, not cut
-    temperature=1.0,
-    top_k=0,
-    top_p=1.0,
     advantage="grpo",
     scale_by_std=True,
-    policy_loss="ppo_clip",
-    loss_aggregation="token-mean",
-    eps_low=0.2,
-    eps_high=0.2,
-    dual_clip_c=3.0,
-    beta=0.0,
-    kl_estimator="k3",
-    learning_rate=1e-4,
-    lr_schedule="constant",
-    warmup_steps=5,
-    weight_decay=0.0,
-    b2=0.999,
-    grad_clip=1.0,
+    sampling=dict(temperature=1.0, top_k=0, top_p=1.0),
+    loss=dict(
+      name="ppo_clip",
+      aggregation="token-mean",
+      eps_low=0.2,
+      eps_high=0.2,
+      dual_clip_c=3.0,
+      entropy_coef=0.0,
+    ),  # fmt: skip
+    kl=dict(beta=0.0, estimator="k3", in_reward=False),
+    optim=dict(
+      learning_rate=1e-4,
+      schedule="constant",
+      warmup_steps=5,
+      weight_decay=0.0,
+      b2=0.999,
+      grad_clip=1.0,
+    ),  # fmt: skip
     num_microbatches=1,
     num_minibatches=1,
     ppo_epochs=1,

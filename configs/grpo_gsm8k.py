@@ -53,18 +53,11 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     group_size=8,
     max_prompt_len=256,
     max_new_tokens=512,
-    temperature=1.0,
     advantage="grpo",
-    policy_loss="ppo_clip",
-    loss_aggregation="token-mean",
-    eps_low=0.2,
-    eps_high=0.28,
-    beta=0.001,
-    kl_estimator="k3",
-    learning_rate=1e-6,
-    lr_schedule="constant",
-    warmup_steps=10,
-    grad_clip=1.0,
+    sampling=dict(temperature=1.0),
+    loss=dict(name="ppo_clip", aggregation="token-mean", eps_low=0.2, eps_high=0.28),
+    kl=dict(beta=0.001, estimator="k3"),
+    optim=dict(learning_rate=1e-6, schedule="constant", warmup_steps=10, grad_clip=1.0),
     num_microbatches=8,
     rollout=dict(batching="continuous", slots=0, page_size=16, steps_per_call=16, quantize="none"),
   )
@@ -83,8 +76,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.rl.group_size = 2
     c.rl.max_prompt_len = 192  # the longest generated problem is 163 bytes with the template
     c.rl.max_new_tokens = 128  # the SFT solutions (up to 115 bytes with EOS) must fit
-    c.rl.beta = 0.001
-    c.rl.learning_rate = 1e-4
+    c.rl.kl.beta = 0.001
+    c.rl.optim.learning_rate = 1e-4
     c.rl.num_microbatches = 1
     c.rl.rollout.steps_per_call = 8
     c.eval = dict(every=3, num_examples=8)

@@ -4,7 +4,7 @@ Quantize-on-sync (seed technique 3.6, e.g. FP8 rollouts in veRL): at every step 
 an int8 copy of the policy's projection weights (per-channel scales, per-token int8 activations,
 jaxrl.quant); the learner stays float32 and scores the rollouts itself. The sampler-learner gap
 is reported every step (rl/logprob_gap, offpolicy/ratio_max) and token-level TIS (truncated at
-rl.is_cap = 2) corrects it against a recomputed pi_prox.
+rl.offpolicy.is_cap = 2) corrects it against a recomputed pi_prox.
 
 Launch:
   bash launch/train.sh --config=configs/grpo_int8_arith.py
@@ -30,7 +30,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c = config_module(Path(__file__).with_name("grpo_arith.py")).get_config(arg or None)
   c.workdir = "runs/grpo_int8_arith_smoke" if arg == "smoke" else "runs/grpo_int8_arith"
   c.rl.rollout.quantize = "int8"
-  c.rl.is_correction = "tis"
+  c.rl.offpolicy.is_correction = "tis"
   if arg != "smoke":
     c.rl.steps = 250
   return complete(c)

@@ -29,10 +29,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     raise ValueError(f"unknown config variant {arg!r}; valid: '' (full) or 'smoke'")
   c = config_module(Path(__file__).with_name("grpo_arith.py")).get_config(arg or None)
   c.workdir = "runs/gspo_arith_smoke" if arg == "smoke" else "runs/gspo_arith"
-  c.rl.policy_loss = "gspo"
-  c.rl.eps_low = 3e-4
-  c.rl.eps_high = 4e-4
-  c.rl.loss_aggregation = "seq-mean-token-mean"
+  c.rl.loss.name = "gspo"
+  c.rl.loss.eps_low = 3e-4
+  c.rl.loss.eps_high = 4e-4
+  c.rl.loss.aggregation = "seq-mean-token-mean"
   if arg != "smoke":
     c.rl.steps = 250
   return complete(c)

@@ -149,6 +149,46 @@ class Checkpointer:
       raise CheckpointError(f"cannot restore checkpoint {step_dir}: {e}") from e
     return restored.state, restored.meta
 
+  def restore_subtree(self, step: int, abstract_subtree: Any) -> Any:
+    """Restores only the leaves of `abstract_subtree` (a pytree of dicts naming a part of the
+    saved state, e.g. {"train": {"params": target}}) from `step`; the rest stays on disk.
+
+    Reads exactly the bytes of the named leaves: a params-only restore for export or evaluation
+    needs no optimizer to describe the optimizer state it skips.
+    """
+    self._check_open()
+    if int(step) not in self.all_steps():
+      raise FileNotFoundError(
+        f"no checkpoint for step {step} in {self.directory}; available steps: "
+        f"{self.all_steps() or 'none'}"
+      )
+    step_dir = self.directory / str(int(step))
+    target = jax.tree.map(_as_abstract, abstract_subtree)
+    try:
+      saved = self._manager.item_metadata(int(step)).state
+    except Exception as e:
+      raise CheckpointError(f"cannot read checkpoint metadata in {step_dir}: {e}") from e
+    problems = [
+      p
+      for p in _describe_mismatch(getattr(saved, "tree", saved), target)
+      if not p.startswith("  in checkpoint but not in target")
+    ]
+    if problems:
+      raise CheckpointError(
+        f"checkpoint {step_dir} does not match the restore target:\n" + "\n".join(problems)
+      )
+    try:
+      return ocp.PyTreeCheckpointer().restore(
+        step_dir / "state",
+        args=ocp.args.PyTreeRestore(
+          item=target,
+          restore_args=ocp.checkpoint_utils.construct_restore_args(target),
+          partial_restore=True,
+        ),
+      )
+    except Exception as e:
+      raise CheckpointError(f"cannot restore {sorted(target)} from {step_dir}: {e}") from e
+
   def close(self) -> None:
     """Waits for in-flight saves and releases orbax's threads; safe to call twice."""
     if self._closed:

@@ -11,6 +11,9 @@ import types
 import typing
 from typing import Any
 
+from jaxrl.models.config import REMAT_POLICIES
+from jaxrl.registry import ADVANTAGES, IS_CORRECTIONS, OFFPOLICY, POLICY_LOSSES
+
 
 class ConfigError(ValueError):
   """A config value is missing, unknown, of the wrong type or out of range."""
@@ -31,8 +34,19 @@ def check(cond: bool, field: str, value, allowed: str) -> None:
     raise ConfigError(f"config.{field}={value!r} is invalid; allowed: {allowed}")
 
 
-def _field(default, *, lo=None, hi=None, lo_open=False, choices=None, help=""):
+# How a per-token loss becomes one number (jaxrl.rl.losses.aggregate implements each).
+LOSS_AGGREGATIONS = (
+  "token-mean",
+  "seq-mean-token-mean",
+  "seq-mean-token-sum",
+  "seq-mean-token-sum-norm",
+)
+
+
+def _field(default, *, lo=None, hi=None, lo_open=False, choices=None, registry=None, help=""):
+  """A config field with its bounds, fixed choices or registry of valid names, and help."""
   meta = {"lo": lo, "hi": hi, "lo_open": lo_open, "choices": choices, "help": help}
+  meta["registry"] = registry
   if isinstance(default, list | dict):
     return dataclasses.field(default_factory=lambda: default, metadata=meta)
   return dataclasses.field(default=default, metadata=meta)
@@ -41,9 +55,13 @@ def _field(default, *, lo=None, hi=None, lo_open=False, choices=None, help=""):
 @dataclasses.dataclass(frozen=True)
 class MeshConfig:
   data: int = _field(1, help="-1 = all remaining devices")
-  fsdp: int = _field(-1)
-  tensor: int = _field(1)
-  rules: str = _field("fsdp_tp", choices=("fsdp_tp", "replicated"))
+  fsdp: int = _field(-1, help="devices the params are sharded over (-1 = all remaining)")
+  tensor: int = _field(1, help="devices each matmul is split over (heads, MLP columns)")
+  rules: str = _field(
+    "fsdp_tp",
+    choices=("fsdp_tp", "replicated"),
+    help="the logical-axis rules table (jaxrl.mesh): FSDP + tensor parallel, or all replicated",
+  )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,48 +69,84 @@ class ModelSection:
   preset: str = _field("arith_small", help="a jaxrl.models.config preset; ignored with path")
   path: str = _field("", help="an HF checkpoint directory (config.json + safetensors)")
   tokenizer: str = _field("", help="'byte', an HF tokenizer directory, or '' = path or byte")
-  dtype: str = _field("float32", choices=("float32", "bfloat16"))
+  dtype: str = _field("float32", choices=("float32", "bfloat16"), help="weights and activations")
   max_seq_len: int = _field(0, lo=0, help="override the preset's context length; 0 = keep")
   lora_rank: int = _field(0, lo=0, help="LoRA adapters of this rank (0 = full fine-tuning)")
-  lora_alpha: float = _field(16.0, lo=0.0, lo_open=True)
+  lora_alpha: float = _field(16.0, lo=0.0, lo_open=True, help="LoRA scale alpha / rank")
   lora_targets: str = _field("q,k,v,o,gate,up,down", help="comma-separated projections")
+  scan_layers: bool = _field(
+    False,
+    help="run the blocks of a full forward (learner, reference, critic) as one jax.lax.scan: "
+    "the forward's compile time stays flat in depth (params keep their per-layer layout)",
+  )
+  remat: str = _field(
+    "none",
+    choices=REMAT_POLICIES,
+    help="recompute each block's activations on the backward pass (jax.checkpoint policy)",
+  )
 
 
 @dataclasses.dataclass(frozen=True)
 class TaskConfig:
-  name: str = _field("arithmetic", choices=("arithmetic", "jsonl", "word_problems"))
+  name: str = _field(
+    "arithmetic", choices=("arithmetic", "jsonl", "word_problems"), help="the prompt source"
+  )
   path: str = _field("", help="name='jsonl': the training JSONL/Parquet file")
   held_out_path: str = _field("", help="name='jsonl': a held-out file ('' = held_out_fraction)")
-  prompt_field: str = _field("question")
-  answer_field: str = _field("answer")
-  answer_format: str = _field("gsm8k", choices=("gsm8k", "raw"))
+  prompt_field: str = _field("question", help="name='jsonl': the record field holding the question")
+  answer_field: str = _field(
+    "answer", help="name='jsonl': the record field holding the reference solution"
+  )
+  answer_format: str = _field(
+    "gsm8k",
+    choices=("gsm8k", "raw"),
+    help="name='jsonl': gsm8k = the final answer follows '####'; raw = the whole field",
+  )
   num_problems: int = _field(2000, lo=1, help="name='word_problems': problems generated")
   prompt_template: str = _field("{prompt}", help="str.format over the record's fields")
   chat: bool = _field(False, help="render the prompt through the tokenizer's chat template")
   system_prompt: str = _field("", help="chat=True: a system message ('' = none)")
-  max_digits: int = _field(2, lo=1, hi=9)
+  max_digits: int = _field(
+    2, lo=1, hi=9, help="name='arithmetic': operands have up to this many digits"
+  )
   ops: str = _field("+-", help="characters from '+-*'")
-  held_out_fraction: float = _field(0.1, lo=0.0, hi=1.0, lo_open=True)
-  allow_negative: bool = _field(False)
-  operand_dist: str = _field("uniform", choices=("uniform", "by_digits"))
+  held_out_fraction: float = _field(
+    0.1,
+    lo=0.0,
+    hi=1.0,
+    lo_open=True,
+    help="share of problems never trained on (held-out evaluation)",
+  )
+  allow_negative: bool = _field(False, help="name='arithmetic': allow negative answers")
+  operand_dist: str = _field(
+    "uniform",
+    choices=("uniform", "by_digits"),
+    help="name='arithmetic': uniform operands, or uniform over digit counts",
+  )
 
 
 @dataclasses.dataclass(frozen=True)
 class RewardConfig:
-  name: str = _field("exact_match")
-  on_error: str = _field("raise", choices=("raise", "zero"))
+  name: str = _field("exact_match", help="a reward function registered in jaxrl.rewards")
+  on_error: str = _field(
+    "raise",
+    choices=("raise", "zero"),
+    help="a reward function that raises: stop the run, or score 0 and count it",
+  )
 
 
 @dataclasses.dataclass(frozen=True)
 class SFTConfig:
-  steps: int = _field(300, lo=0)
-  batch_size: int = _field(64, lo=1)
-  learning_rate: float = _field(1e-3, lo=0.0, lo_open=True)
-  warmup_steps: int = _field(20, lo=0)
-  weight_decay: float = _field(0.0, lo=0.0)
+  steps: int = _field(300, lo=0, help="warm-start steps (0 = none)")
+  batch_size: int = _field(64, lo=1, help="demonstrations per step")
+  learning_rate: float = _field(
+    1e-3, lo=0.0, lo_open=True, help="peak AdamW rate (cosine decay to 10%)"
+  )
+  warmup_steps: int = _field(20, lo=0, help="linear warmup")
+  weight_decay: float = _field(0.0, lo=0.0, help="AdamW's decoupled weight decay")
   b2: float = _field(0.999, lo=0.0, hi=1.0, lo_open=True, help="Adam's second-moment decay")
   grad_clip: float = _field(1.0, lo=0.0, help="global-norm clip before Adam; 0 = off")
-  num_microbatches: int = _field(1, lo=1)
+  num_microbatches: int = _field(1, lo=1, help="gradient accumulation within one step")
   operand_dist: str = _field(
     "by_digits",
     choices=("uniform", "by_digits"),
@@ -121,7 +175,7 @@ class OverlongConfig:
 class DynamicSamplingConfig:
   """DAPO dynamic sampling (jaxrl.rl.allocation): only groups whose rewards differ are trained."""
 
-  enabled: bool = _field(False)
+  enabled: bool = _field(False, help="drop groups whose rewards all tie and sample more prompts")
   max_rounds: int = _field(4, lo=1, help="rollout rounds per step at most, the first included")
 
 
@@ -137,7 +191,7 @@ class RolloutConfig:
     "only when the whole previous one has ended (the same tokens, a baseline)",
   )
   slots: int = _field(0, lo=0, help="engine decode slots; 0 = every sample of a step at once")
-  page_size: int = _field(16, lo=1)
+  page_size: int = _field(16, lo=1, help="tokens per KV-cache page")
   num_pages: int = _field(0, lo=0, help="KV page budget; 0 = enough for every slot")
   steps_per_call: int = _field(8, lo=1, help="decode steps per jitted engine call")
   quantize: str = _field(
@@ -154,47 +208,113 @@ class CriticConfig:
   warm-started policy's trunk with a scalar head, trained on the policy's mini-batches with the
   clipped value loss."""
 
-  learning_rate: float = _field(1e-4, lo=0.0, lo_open=True)
+  learning_rate: float = _field(
+    1e-4, lo=0.0, lo_open=True, help="the critic's own AdamW (constant)"
+  )
   warmup_steps: int = _field(0, lo=0, help="first RL steps that train only the critic")
   value_clip: float = _field(0.2, lo=0.0, help="PPO2 value clipping range; 0 = plain squared error")
-  gamma: float = _field(1.0, lo=0.0, hi=1.0)
-  lam: float = _field(0.95, lo=0.0, hi=1.0)
+  gamma: float = _field(1.0, lo=0.0, hi=1.0, help="GAE discount")
+  lam: float = _field(0.95, lo=0.0, hi=1.0, help="GAE lambda")
   whiten: bool = _field(True, help="normalise GAE advantages over the batch's loss tokens")
-  grad_clip: float = _field(1.0, lo=0.0)
+  grad_clip: float = _field(1.0, lo=0.0, help="global-norm clip of the critic's gradient")
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingConfig:
+  """How rollouts sample (rl.sampling); evaluation's greedy pass ignores it."""
+
+  temperature: float = _field(
+    1.0, lo=0.0, lo_open=True, help="the learner's log-probs use the same temperature"
+  )
+  top_k: int = _field(0, lo=0, help="0 = off")
+  top_p: float = _field(1.0, lo=0.0, hi=1.0, lo_open=True, help="1 = off")
+
+
+@dataclasses.dataclass(frozen=True)
+class PolicyLossConfig:
+  """The policy-gradient loss (rl.loss; jaxrl.rl.objectives.PolicyLoss): which surrogate, its
+  clip range, how per-token terms become one number, and the entropy bonus."""
+
+  name: str = _field("ppo_clip", registry=POLICY_LOSSES, help="the surrogate")
+  aggregation: str = _field(
+    "token-mean",
+    choices=LOSS_AGGREGATIONS,
+    help="per-token terms to one number (DAPO: token-mean; Dr.GRPO: seq-mean-token-sum-norm)",
+  )
+  eps_low: float = _field(0.2, lo=0.0, hi=1.0, lo_open=True, help="clip range below 1")
+  eps_high: float = _field(0.2, lo=0.0, lo_open=True, help="> eps_low: DAPO's clip-higher")
+  dual_clip_c: float = _field(3.0, lo=1.0, lo_open=True, help="name='dual_clip' only")
+  entropy_coef: float = _field(0.0, lo=0.0, help="entropy bonus on completion tokens")
+
+
+@dataclasses.dataclass(frozen=True)
+class KLConfig:
+  """The KL penalty to the reference policy (rl.kl): the policy RL starts from, i.e. the
+  warm-started params (with LoRA: the frozen base plus the warm-started adapters)."""
+
+  beta: float = _field(0.0, lo=0.0, help="0 = no reference forward at all")
+  estimator: str = _field(
+    "k3", choices=("k1", "k2", "k3"), help="Schulman's k1 / k2 / k3 estimators of KL(pi || pi_ref)"
+  )
+  in_reward: bool = _field(
+    False, help="fold beta * KL into the reward (per token with gae) instead of the loss"
+  )
+
+
+@dataclasses.dataclass(frozen=True)
+class OffPolicyConfig:
+  """Off-policy corrections (rl.offpolicy; jaxrl.rl.offpolicy): a ratio/clip method for stale
+  data and an importance-sampling correction of the sampler-learner mismatch."""
+
+  method: str = _field("none", registry=OFFPOLICY, help="staleness: ratio and clip method")
+  is_correction: str = _field(
+    "none", registry=IS_CORRECTIONS, help="sampler-learner mismatch: IS weight"
+  )
+  prox: str = _field(
+    "recompute",
+    choices=("recompute", "interpolate"),
+    help="method='decoupled': pi_prox from a learner forward, or interpolated by version lag",
+  )
+  is_cap: float = _field(2.0, lo=1.0, help="TIS truncation C (>= 1: on-policy tokens unchanged)")
+  mis_low: float = _field(0.5, lo=0.0, hi=1.0, lo_open=True, help="MIS band lower end")
+  mis_high: float = _field(2.0, lo=1.0, help="MIS band upper end")
+  m2po_tau: float = _field(0.04, lo=0.0, lo_open=True, help="M2PO second-moment threshold")
+  sat_tail: float = _field(2.0, lo=0.0, lo_open=True, help="SAT tail threshold, batch RMS units")
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimConfig:
+  """The RL optimizer (rl.optim): AdamW after global-norm clipping, linear warmup, then a
+  constant or cosine schedule over all updates (steps * num_minibatches * ppo_epochs)."""
+
+  learning_rate: float = _field(1e-4, lo=0.0, lo_open=True, help="peak rate")
+  schedule: str = _field("constant", choices=("constant", "cosine"), help="after warmup")
+  warmup_steps: int = _field(5, lo=0, help="in updates")
+  weight_decay: float = _field(0.0, lo=0.0, help="AdamW's decoupled weight decay")
+  b2: float = _field(0.999, lo=0.0, hi=1.0, lo_open=True, help="Adam's second-moment decay")
+  grad_clip: float = _field(1.0, lo=0.0, help="global-norm clip; 0 = off")
 
 
 @dataclasses.dataclass(frozen=True)
 class RLConfig:
-  steps: int = _field(100, lo=1)
-  prompts_per_step: int = _field(16, lo=1)
-  group_size: int = _field(8, lo=1, help="samples per prompt; group estimators need >= 2")
-  max_prompt_len: int = _field(16, lo=1)
-  max_new_tokens: int = _field(8, lo=1)
-  temperature: float = _field(1.0, lo=0.0, lo_open=True)
-  top_k: int = _field(0, lo=0)
-  top_p: float = _field(1.0, lo=0.0, hi=1.0, lo_open=True)
-  advantage: str = _field("grpo", help="a name in jaxrl.rl.advantages.ESTIMATORS")
-  scale_by_std: bool = _field(True)
-  policy_loss: str = _field("ppo_clip", help="a name in jaxrl.rl.losses.POLICY_LOSSES")
-  loss_aggregation: str = _field("token-mean", help="one of jaxrl.rl.losses.AGGREGATIONS")
-  eps_low: float = _field(0.2, lo=0.0, hi=1.0, lo_open=True)
-  eps_high: float = _field(0.2, lo=0.0, lo_open=True)
-  dual_clip_c: float = _field(3.0, lo=1.0, lo_open=True, help="policy_loss='dual_clip' only")
-  beta: float = _field(0.0, lo=0.0)
-  kl_in_reward: bool = _field(
-    False, help="fold beta * KL into the reward (per token with gae) instead of the loss"
+  steps: int = _field(100, lo=1, help="RL steps (each: one rollout batch, then its updates)")
+  prompts_per_step: int = _field(
+    16, lo=1, help="prompts per step; each is sampled group_size times"
   )
-  kl_estimator: str = _field("k3", choices=("k1", "k2", "k3"))
-  learning_rate: float = _field(1e-4, lo=0.0, lo_open=True)
-  lr_schedule: str = _field("constant", choices=("constant", "cosine"))
-  warmup_steps: int = _field(5, lo=0)
-  weight_decay: float = _field(0.0, lo=0.0)
-  b2: float = _field(0.999, lo=0.0, hi=1.0, lo_open=True)
-  grad_clip: float = _field(1.0, lo=0.0)
+  group_size: int = _field(8, lo=1, help="samples per prompt; group estimators need >= 2")
+  max_prompt_len: int = _field(
+    16, lo=1, help="the prompt bucket (left-padded); longer prompts are an error"
+  )
+  max_new_tokens: int = _field(
+    8, lo=1, help="completion budget; completions cut there count as truncated"
+  )
+  advantage: str = _field(
+    "grpo", registry=ADVANTAGES, help="the advantage estimator (gae: PPO's critic, rl.critic)"
+  )
+  scale_by_std: bool = _field(True, help="grpo: divide by the group's std")
   num_microbatches: int = _field(1, lo=1, help="gradient accumulation within one update")
   num_minibatches: int = _field(1, lo=1, help="optimizer updates per rollout batch and epoch")
   ppo_epochs: int = _field(1, lo=1, help="passes over each rollout batch")
-  entropy_coef: float = _field(0.0, lo=0.0, help="entropy bonus on completion tokens")
   skip_zero_advantage: str = _field(
     "off",
     choices=("auto", "off"),
@@ -204,18 +324,11 @@ class RLConfig:
     "whole batch's denominator: the same update for less compute where groups tie. Per-token "
     "metrics (entropy, clip_frac, logprob_gap) then cover the rows trained (rl/trained_rows)",
   )
-  offpolicy: str = _field("none", help="a name in jaxrl.rl.offpolicy.OFFPOLICY")
-  is_correction: str = _field("none", help="a name in jaxrl.rl.offpolicy.IS_CORRECTIONS")
-  prox: str = _field(
-    "recompute",
-    choices=("recompute", "interpolate"),
-    help="offpolicy='decoupled': pi_prox from a learner forward, or interpolated by version lag",
-  )
-  is_cap: float = _field(2.0, lo=1.0, help="TIS truncation C (>= 1: on-policy tokens unchanged)")
-  mis_low: float = _field(0.5, lo=0.0, hi=1.0, lo_open=True, help="MIS band lower end")
-  mis_high: float = _field(2.0, lo=1.0, help="MIS band upper end")
-  m2po_tau: float = _field(0.04, lo=0.0, lo_open=True, help="M2PO second-moment threshold")
-  sat_tail: float = _field(2.0, lo=0.0, lo_open=True, help="SAT tail threshold, batch RMS units")
+  sampling: SamplingConfig = dataclasses.field(default_factory=SamplingConfig)
+  loss: PolicyLossConfig = dataclasses.field(default_factory=PolicyLossConfig)
+  kl: KLConfig = dataclasses.field(default_factory=KLConfig)
+  offpolicy: OffPolicyConfig = dataclasses.field(default_factory=OffPolicyConfig)
+  optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
   overlong: OverlongConfig = dataclasses.field(default_factory=OverlongConfig)
   dynamic_sampling: DynamicSamplingConfig = dataclasses.field(default_factory=DynamicSamplingConfig)
   rollout: RolloutConfig = dataclasses.field(default_factory=RolloutConfig)
@@ -230,8 +343,10 @@ class TeacherConfig:
 
   path: str = _field("", help="an HF checkpoint directory (config.json + safetensors)")
   preset: str = _field("", help="without path: a jaxrl.models.config preset, random init")
-  seed: int = _field(0, lo=0)
-  dtype: str = _field("float32", choices=("float32", "bfloat16"))
+  seed: int = _field(0, lo=0, help="preset teachers: the init seed")
+  dtype: str = _field(
+    "float32", choices=("float32", "bfloat16"), help="the teacher's weights and activations"
+  )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -239,9 +354,13 @@ class DistillConfig:
   """On-policy distillation (jaxrl.rl.distill): when enabled, the RL phase trains the student on
   its own samples against the teacher's per-token log-probs instead of on rewards."""
 
-  enabled: bool = _field(False)
+  enabled: bool = _field(False, help="train on the teacher's log-probs instead of rewards")
   teacher: TeacherConfig = dataclasses.field(default_factory=TeacherConfig)
-  loss: str = _field("reverse_kl", choices=("reverse_kl", "forward_kl_topk", "mixed"))
+  loss: str = _field(
+    "reverse_kl",
+    choices=("reverse_kl", "forward_kl_topk", "mixed"),
+    help="reverse KL on the sampled tokens, forward KL on the teacher's top-k, or a mix",
+  )
   alpha: float = _field(0.5, lo=0.0, hi=1.0, help="loss='mixed': weight of the reverse KL")
   top_k: int = _field(16, lo=1, help="teacher top-k kept for the forward KL")
   window: int = _field(0, lo=0, help="supervise only the first `window` completion tokens; 0 = all")
@@ -266,20 +385,26 @@ class EvalConfig:
 
 @dataclasses.dataclass(frozen=True)
 class CheckpointConfig:
-  every: int = _field(25, lo=1)
-  max_to_keep: int = _field(2, lo=1)
+  every: int = _field(25, lo=1, help="steps between checkpoints (the last step is always saved)")
+  max_to_keep: int = _field(2, lo=1, help="newest checkpoints kept per phase")
 
 
 @dataclasses.dataclass(frozen=True)
 class LogConfig:
-  progress: bool = _field(True)
-  tensorboard: bool = _field(True)
+  progress: bool = _field(True, help="progress bars on stderr")
+  tensorboard: bool = _field(True, help="also write TensorBoard events under workdir/tb")
 
 
 @dataclasses.dataclass(frozen=True)
 class Config:
-  seed: int = _field(0, lo=0)
-  workdir: str = _field("runs/grpo_arith")
+  seed: int = _field(
+    0,
+    lo=0,
+    help="model init, data order and sampling: the same seed repeats a run on one CPU type",
+  )
+  workdir: str = _field(
+    "runs/grpo_arith", help="metrics, checkpoints, plots and summary.json go here"
+  )
   resume: bool = _field(True, help="continue from the latest checkpoint in workdir if any")
   mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
   model: ModelSection = dataclasses.field(default_factory=ModelSection)
@@ -345,6 +470,9 @@ def _check_value(path: str, value: Any, typ, meta) -> Any:
   )
   if choices is not None and value not in choices:
     raise ConfigError(f"config.{path}={value!r} is invalid; allowed: {list(choices)}")
+  registry = meta.get("registry")
+  if registry is not None and value not in registry:
+    raise ConfigError(f"config.{path}={value!r} is invalid; allowed: {registry.names()}")
   if lo is not None and (value < lo or (lo_open and value == lo)):
     bound = f"> {lo}" if lo_open else f">= {lo}"
     raise ConfigError(f"config.{path}={value!r} is out of range; must be {bound}")
@@ -423,42 +551,18 @@ def unknown_field_message(path: str) -> str | None:
 def validate(cfg) -> Config:
   """Turn a ConfigDict (or dict) into a validated `Config`; raise `ConfigError` naming the field."""
   c = _convert(Config, _to_dict(cfg), "")
-  # Names looked up in registries, so that newly registered functions are valid config values.
-  from jaxrl.rl.advantages import ESTIMATORS, GROUPLESS
-  from jaxrl.rl.losses import AGGREGATIONS, POLICY_LOSSES
-  from jaxrl.rl.value import TOKEN_ESTIMATORS
-
-  estimators = sorted(ESTIMATORS.names() + list(TOKEN_ESTIMATORS))
-  check(c.rl.advantage in estimators, "rl.advantage", c.rl.advantage, estimators)
-  check(
-    c.rl.policy_loss in POLICY_LOSSES.names(),
-    "rl.policy_loss",
-    c.rl.policy_loss,
-    POLICY_LOSSES.names(),
-  )
-  check(
-    c.rl.loss_aggregation in AGGREGATIONS,
-    "rl.loss_aggregation",
-    c.rl.loss_aggregation,
-    list(AGGREGATIONS),
-  )
-  from jaxrl.rl.offpolicy import IS_CORRECTIONS, OFFPOLICY
-
-  check(c.rl.offpolicy in OFFPOLICY.names(), "rl.offpolicy", c.rl.offpolicy, OFFPOLICY.names())
-  check(
-    c.rl.is_correction in IS_CORRECTIONS.names(),
-    "rl.is_correction",
-    c.rl.is_correction,
-    IS_CORRECTIONS.names(),
-  )
+  # Registry-backed fields were checked against their registries' names (so newly registered
+  # functions are valid values); the rest are cross-field checks.
+  traits = ADVANTAGES.traits(c.rl.advantage)
+  off = c.rl.offpolicy
   # Cross-field checks.
-  grouped = c.rl.advantage not in GROUPLESS + TOKEN_ESTIMATORS and not c.distill.enabled
+  grouped = not traits.get("groupless") and not c.distill.enabled
   check(
     c.rl.group_size >= 2 or not grouped,
     "rl.group_size",
     c.rl.group_size,
     f">= 2 with the group estimator rl.advantage={c.rl.advantage!r} (a group of one has no "
-    f"baseline); group_size=1 works with {sorted(GROUPLESS + TOKEN_ESTIMATORS)}",
+    f"baseline); group_size=1 works with {ADVANTAGES.names(groupless=True)}",
   )
   check(
     c.rl.group_size >= 2 or not c.rl.dynamic_sampling.enabled,
@@ -488,17 +592,20 @@ def validate(cfg) -> Config:
   if d.enabled:
     # The teacher replaces the reward signal: the reward-side machinery would not be read.
     check(
-      c.rl.beta == 0, "rl.beta", c.rl.beta, "0 with distill.enabled (the teacher is the target)"
+      c.rl.kl.beta == 0,
+      "rl.kl.beta",
+      c.rl.kl.beta,
+      "0 with distill.enabled (the teacher is the target)",
     )
     check(
-      c.rl.advantage not in TOKEN_ESTIMATORS,
+      not traits.get("needs_critic"),
       "rl.advantage",
       c.rl.advantage,
       "a group estimator (unused) with distill.enabled: no critic is trained",
     )
-    for name in ("offpolicy", "is_correction"):
-      v = getattr(c.rl, name)
-      check(v == "none", f"rl.{name}", v, "'none' with distill.enabled")
+    for name in ("method", "is_correction"):
+      v = getattr(off, name)
+      check(v == "none", f"rl.offpolicy.{name}", v, "'none' with distill.enabled")
   check(
     d.align_low < d.align_high,
     "distill.align_high",
@@ -506,10 +613,10 @@ def validate(cfg) -> Config:
     f"> distill.align_low = {d.align_low}",
   )
   check(
-    c.rl.mis_low < c.rl.mis_high,
-    "rl.mis_high",
-    c.rl.mis_high,
-    f"> rl.mis_low = {c.rl.mis_low}",
+    off.mis_low < off.mis_high,
+    "rl.offpolicy.mis_high",
+    off.mis_high,
+    f"> rl.offpolicy.mis_low = {off.mis_low}",
   )
   check(
     c.rl.overlong.buffer <= c.rl.max_new_tokens,
@@ -562,3 +669,65 @@ def validate(cfg) -> Config:
     v = getattr(c.mesh, name)
     check(v == -1 or v >= 1, f"mesh.{name}", v, "-1 (all remaining devices) or >= 1")
   return c
+
+
+def _describe(f: dataclasses.Field, typ) -> tuple[str, str, str]:
+  """(type, default, what is allowed) of a leaf field, for the reference in docs/configs.md."""
+  meta = f.metadata
+  name = getattr(typ, "__name__", str(typ))
+  allowed = []
+  names = meta["choices"] or (meta["registry"].names() if meta.get("registry") else None)
+  if names:
+    allowed.append(" \\| ".join(f"`{c}`" for c in names))
+  lo, hi = meta.get("lo"), meta.get("hi")
+  if lo is not None:
+    allowed.append(f"{'>' if meta.get('lo_open') else '>='} {lo}")
+  if hi is not None:
+    allowed.append(f"<= {hi}")
+  return name, f"`{_default(f)!r}`", ", ".join(allowed)
+
+
+def reference_markdown() -> str:
+  """Every section and field of `Config` as markdown tables: path, type, default, allowed
+  values and help. docs/configs.md embeds it, and a test keeps the two equal."""
+  out = []
+
+  def section(cls, prefix: str) -> None:
+    hints = typing.get_type_hints(cls)
+    title = f"`config.{prefix}`" if prefix else "`config` (top level)"
+    out.append(f"### {title}\n")
+    doc = (cls.__doc__ or "").strip()
+    if doc and not doc.startswith(cls.__name__ + "("):
+      out.append(" ".join(doc.split()) + "\n")
+    out.append("| field | type | default | allowed | what it does |")
+    out.append("|---|---|---|---|---|")
+    subs = []
+    for f in dataclasses.fields(cls):
+      typ = hints[f.name]
+      path = f"{prefix}.{f.name}" if prefix else f.name
+      if dataclasses.is_dataclass(typ):
+        out.append(f"| `{f.name}` | section | | | see `config.{path}` |")
+        subs.append((typ, path))
+        continue
+      name, default, allowed = _describe(f, typ)
+      help_ = " ".join(f.metadata.get("help", "").split()).replace("|", "\\|")
+      out.append(f"| `{f.name}` | {name} | {default} | {allowed} | {help_} |")
+    out.append("")
+    for typ, path in subs:
+      section(typ, path)
+
+  section(Config, "")
+  return "\n".join(out)
+
+
+REFERENCE_BEGIN = "<!-- reference: generated by jaxrl.config.write_reference; do not edit -->"
+REFERENCE_END = "<!-- end of reference -->"
+
+
+def write_reference(path: str | os.PathLike = "docs/configs.md") -> None:
+  """Rewrite the generated reference between the markers of docs/configs.md."""
+  text = open(path).read()
+  head, _, rest = text.partition(REFERENCE_BEGIN)
+  _, _, tail = rest.partition(REFERENCE_END)
+  with open(path, "w") as f:
+    f.write(f"{head}{REFERENCE_BEGIN}\n\n{reference_markdown()}\n{REFERENCE_END}{tail}")

@@ -33,7 +33,7 @@ def export(config, out, *, phase: str = "latest") -> str:
   from jaxrl.checkpoint import CheckpointError
   from jaxrl.config import validate
   from jaxrl.models.hf import export_hf_checkpoint
-  from jaxrl.rl.loop import Trainer
+  from jaxrl.rl.run import Run, restore_params
 
   if phase not in PHASES:
     raise ExportError(f"phase={phase!r} is invalid; allowed: {', '.join(PHASES)}")
@@ -47,30 +47,26 @@ def export(config, out, *, phase: str = "latest") -> str:
     if source and source != "byte" and out.resolve() == Path(source).resolve():
       raise ExportError(f"--out={str(out)!r} is config.model.{field}; choose another directory")
   workdir = Path(cfg.workdir)
-  # Checked before the Trainer, whose checkpointers would create the directories of a mistyped
-  # workdir.
+  # Checked before building the run, whose task may write data into a mistyped workdir.
   if not (workdir / "checkpoints").is_dir():
     raise ExportError(
       f"no checkpoint in workdir {str(workdir)!r}: it has no checkpoints/ directory "
       "(checkpointed phases: none)"
     )
-  trainer = Trainer(cfg, log=lambda *_: None)
+  # The run's model, tokenizer and mesh, and the params alone read from the checkpoint: no
+  # engine, optimizer, teacher or critic is built.
+  run = Run.build(cfg)
   try:
-    try:
-      phase, step, params = trainer.restore_params(phase)
-    except FileNotFoundError as e:
-      raise ExportError(str(e)) from e
-    except CheckpointError as e:
-      raise ExportError(
-        f"{e}\n--config must describe the run that wrote the checkpoint (same model, optimizer)"
-      ) from e
-    export_hf_checkpoint(trainer.model_cfg, params, out)
-    copied = _copy_tokenizer_files(trainer.tokenizer, out)
-  finally:
-    trainer.close()
+    phase, step, params = restore_params(run, phase)
+  except FileNotFoundError as e:
+    raise ExportError(str(e)) from e
+  except CheckpointError as e:
+    raise ExportError(f"{e}\n--config must describe the run that wrote the checkpoint") from e
+  export_hf_checkpoint(run.model_cfg, params, out)
+  copied = _copy_tokenizer_files(run.tokenizer, out)
   model_type = json.loads((out / "config.json").read_text())["model_type"]
   if copied:
-    tok = f"tokenizer files from {trainer.tokenizer.path}: {', '.join(copied)}"
+    tok = f"tokenizer files from {run.tokenizer.path}: {', '.join(copied)}"
   else:
     tok = "byte tokenizer: no tokenizer files written (ids: pad 0, bos 1, eos 2, byte b -> b + 3)"
   return (

@@ -1,7 +1,7 @@
 """Seed sweeps of launch.train: run N seeds x ISA variants, summarize with t CIs, compare sweeps.
 
   python -m launch.sweep run --config=configs/grpo_arith.py:smoke --seeds=0-4 --isa=native,avx2 \
-      --out=runs/sweep/NAME [--parallel=1] [--set rl.steps=10 ...] [-- --config.rl.beta=0.0 ...]
+      --out=runs/sweep/NAME [--parallel=1] [--set rl.steps=10 ...] [-- --config.rl.kl.beta=0.0 ...]
   python -m launch.sweep summarize OUT
   python -m launch.sweep compare OUT_A OUT_B [--metric=accuracy_after_rl] [--json=PATH]
 
@@ -361,7 +361,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
   argv = list(sys.argv[1:] if argv is None else argv)
-  # Everything after `--` is config flags for every run: `-- --config.rl.beta=0.0`.
+  # Everything after `--` is config flags for every run: `-- --config.rl.kl.beta=0.0`.
   passthrough = argv[argv.index("--") + 1 :] if "--" in argv else []
   argv = argv[: argv.index("--")] if "--" in argv else argv
   args = _parser().parse_args(argv)

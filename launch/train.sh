@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Quickstart 1: train the embedded default (tiny model, arithmetic, SFT warm-start then GRPO) on CPU.
-# Extra arguments go to launch/train.py, e.g. --config=configs/grpo_arith.py:smoke --config.rl.beta=0.0
+# Extra arguments go to launch/train.py, e.g. --config=configs/grpo_arith.py:smoke --config.rl.kl.beta=0.0
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 source "$ROOT/launch/env.sh"

@@ -27,18 +27,21 @@ def test_defaults_and_the_shipped_config_validate():
   # Estimators without a group accept one sample per prompt.
   assert validate({"rl": {"group_size": 1, "advantage": "gae"}}).rl.group_size == 1
   assert validate({"rl": {"group_size": 1, "advantage": "reinforce_pp"}}).rl.group_size == 1
-  assert validate({"rl": {"beta": 1}}).rl.beta == 1.0  # an int is a fine float
+  assert validate({"rl": {"kl": {"beta": 1}}}).rl.kl.beta == 1.0  # an int is a fine float
 
 
 @pytest.mark.parametrize(
   "raw, message",
   [
-    ({"rl": {"betta": 0.1}}, r"unknown field\(s\) config\.rl\.betta; valid fields of config\.rl"),
+    (
+      {"rl": {"kl": {"betta": 0.1}}},
+      r"unknown field\(s\) config\.rl\.kl\.betta; valid fields of config\.rl\.kl",
+    ),
     ({"colour": 1}, r"unknown field\(s\) config\.colour"),
-    ({"rl": {"beta": "x"}}, r"config\.rl\.beta must be float, got str"),
+    ({"rl": {"kl": {"beta": "x"}}}, r"config\.rl\.kl\.beta must be float, got str"),
     ({"rl": {"steps": True}}, r"config\.rl\.steps must be int, got bool"),
-    ({"rl": {"beta": float("nan")}}, r"config\.rl\.beta must be finite"),
-    ({"rl": {"beta": -0.1}}, r"config\.rl\.beta=-0\.1 is out of range; must be >= 0"),
+    ({"rl": {"kl": {"beta": float("nan")}}}, r"config\.rl\.kl\.beta must be finite"),
+    ({"rl": {"kl": {"beta": -0.1}}}, r"config\.rl\.kl\.beta=-0\.1 is out of range; must be >= 0"),
     (
       {"rl": {"group_size": 1}},
       r"config\.rl\.group_size=1 is invalid; allowed: >= 2 with the group estimator "
@@ -68,12 +71,15 @@ def test_defaults_and_the_shipped_config_validate():
       r"config\.distill\.loss='jsd' is invalid; allowed: \['reverse_kl'",
     ),
     ({"sft": {"batch_size": 0}}, r"config\.sft\.batch_size=0 is out of range; must be >= 1"),
-    ({"rl": {"temperature": 0.0}}, r"config\.rl\.temperature=0\.0 is out of range; must be > 0"),
-    ({"rl": {"top_p": 1.5}}, r"config\.rl\.top_p=1\.5 is out of range; must be <= 1"),
+    (
+      {"rl": {"sampling": {"temperature": 0.0}}},
+      r"config\.rl\.sampling\.temperature=0\.0 is out of range; must be > 0",
+    ),
+    ({"rl": {"sampling": {"top_p": 1.5}}}, r"config\.rl\.sampling\.top_p=1\.5 is out of range"),
     ({"rl": {"advantage": "ppo"}}, r"config\.rl\.advantage='ppo' is invalid; allowed: \[.*'grpo'"),
     (
-      {"rl": {"policy_loss": "x"}},
-      r"config\.rl\.policy_loss='x' is invalid; allowed: \[.*ppo_clip",
+      {"rl": {"loss": {"name": "x"}}},
+      r"config\.rl\.loss\.name='x' is invalid; allowed: \[.*ppo_clip",
     ),
     ({"reward": {"on_error": "skip"}}, r"config\.reward\.on_error='skip' is invalid"),
     ({"task": {"ops": "+/"}}, r"config\.task\.ops='\+/' is invalid"),
@@ -88,27 +94,52 @@ def test_defaults_and_the_shipped_config_validate():
     ),
     ({"rl": 5}, r"config\.rl must be a section"),
     (
-      {"rl": {"offpolicy": "ppo_ewma"}},
-      r"config\.rl\.offpolicy='ppo_ewma' is invalid; allowed: \['decoupled', 'm2po', 'none', 's",
+      {"rl": {"offpolicy": {"method": "ppo_ewma"}}},
+      r"config\.rl\.offpolicy\.method='ppo_ewma' is invalid; allowed: \['decoupled', 'm2po', 'n",
     ),
     (
-      {"rl": {"is_correction": "icepop"}},
-      r"config\.rl\.is_correction='icepop' is invalid; allowed: \[.*'mis'.*'tis'",
+      {"rl": {"offpolicy": {"is_correction": "icepop"}}},
+      r"config\.rl\.offpolicy\.is_correction='icepop' is invalid; allowed: \[.*'mis'.*'tis'",
     ),
-    ({"rl": {"prox": "ewma"}}, r"config\.rl\.prox='ewma' is invalid; allowed: \['recompute'"),
-    ({"rl": {"is_cap": 0.9}}, r"config\.rl\.is_cap=0\.9 is out of range; must be >= 1"),
-    ({"rl": {"mis_low": 0.0}}, r"config\.rl\.mis_low=0\.0 is out of range; must be > 0"),
-    ({"rl": {"mis_low": 1.5}}, r"config\.rl\.mis_low=1\.5 is out of range; must be <= 1"),
-    ({"rl": {"mis_high": 0.8}}, r"config\.rl\.mis_high=0\.8 is out of range; must be >= 1"),
     (
-      {"rl": {"mis_low": 1.0, "mis_high": 1.0}},
-      r"config\.rl\.mis_high=1\.0 is invalid; allowed: > rl\.mis_low = 1\.0",
+      {"rl": {"offpolicy": {"prox": "ewma"}}},
+      r"config\.rl\.offpolicy\.prox='ewma' is invalid; allowed: \['recompute'",
     ),
-    ({"rl": {"m2po_tau": 0.0}}, r"config\.rl\.m2po_tau=0\.0 is out of range; must be > 0"),
-    ({"rl": {"sat_tail": -1.0}}, r"config\.rl\.sat_tail=-1\.0 is out of range; must be > 0"),
     (
-      {"rl": {"entropy_coef": -0.01}},
-      r"config\.rl\.entropy_coef=-0\.01 is out of range; must be >= 0",
+      {"rl": {"offpolicy": {"is_cap": 0.9}}},
+      r"config\.rl\.offpolicy\.is_cap=0\.9 is out of range; must be >= 1",
+    ),
+    (
+      {"rl": {"offpolicy": {"mis_low": 0.0}}},
+      r"config\.rl\.offpolicy\.mis_low=0\.0 is out of range; must be > 0",
+    ),
+    (
+      {"rl": {"offpolicy": {"mis_low": 1.5}}},
+      r"config\.rl\.offpolicy\.mis_low=1\.5 is out of range; must be <= 1",
+    ),
+    (
+      {"rl": {"offpolicy": {"mis_high": 0.8}}},
+      r"config\.rl\.offpolicy\.mis_high=0\.8 is out of range; must be >= 1",
+    ),
+    (
+      {"rl": {"offpolicy": {"mis_low": 1.0, "mis_high": 1.0}}},
+      r"config\.rl\.offpolicy\.mis_high=1\.0 is invalid; allowed: > rl\.offpolicy\.mis_low = 1",
+    ),
+    (
+      {"rl": {"offpolicy": {"m2po_tau": 0.0}}},
+      r"config\.rl\.offpolicy\.m2po_tau=0\.0 is out of range; must be > 0",
+    ),
+    (
+      {"rl": {"offpolicy": {"sat_tail": -1.0}}},
+      r"config\.rl\.offpolicy\.sat_tail=-1\.0 is out of range; must be > 0",
+    ),
+    (
+      {"rl": {"loss": {"entropy_coef": -0.01}}},
+      r"config\.rl\.loss\.entropy_coef=-0\.01 is out of range; must be >= 0",
+    ),
+    (
+      {"distill": {"enabled": True, "teacher": {"preset": "tiny"}}, "rl": {"kl": {"beta": 0.1}}},
+      r"config\.rl\.kl\.beta=0\.1 is invalid; allowed: 0 with distill\.enabled",
     ),
     (
       {"rl": {"overlong": {"buffer": 9}}},
@@ -164,11 +195,11 @@ def test_every_config_file_holds_every_field(path, variant):
 
 
 def test_complete_keeps_what_is_set_and_changes_nothing_validate_sees():
-  raw = ml_collections.ConfigDict({"rl": {"beta": 0.5, "rollout": {"slots": 3}}, "seed": 7})
+  raw = ml_collections.ConfigDict({"rl": {"kl": {"beta": 0.5}, "rollout": {"slots": 3}}, "seed": 7})
   before = validate(raw)
   done = complete(raw)
   assert done is raw
-  assert raw.rl.beta == 0.5 and raw.rl.rollout.slots == 3 and raw.seed == 7
+  assert raw.rl.kl.beta == 0.5 and raw.rl.rollout.slots == 3 and raw.seed == 7
   assert raw.rl.group_size == RLConfig().group_size and raw.model.lora_rank == 0
   assert validate(raw) == before
   assert complete(raw).to_dict() == raw.to_dict()  # idempotent
@@ -184,9 +215,10 @@ def test_complete_leaves_a_section_given_as_a_value_for_validate_to_report():
 @pytest.mark.parametrize(
   "path, message",
   [
-    ("rl.beta", None),
+    ("rl.kl.beta", None),
     ("rl.rollout", None),
-    ("rl.betta", "unknown field config.rl.betta; did you mean config.rl.beta?"),
+    ("rl.kl.betta", "unknown field config.rl.kl.betta; did you mean config.rl.kl.beta?"),
+    ("rl.beta", "unknown field config.rl.beta; did you mean config.rl.kl.beta?"),
     ("sft.carelessrate", "did you mean config.sft.careless_rate?"),
     ("rl.lora_rank", "unknown field config.rl.lora_rank; did you mean config.model.lora_rank?"),
     ("lora_rank", "did you mean config.model.lora_rank?"),
@@ -204,3 +236,21 @@ def test_unknown_field_message_names_the_path_and_the_closest_fields(path, messa
     assert got is None
   else:
     assert got is not None and message in got, got
+
+
+def test_docs_configs_md_is_the_generated_reference_of_every_field():
+  """docs/configs.md cannot drift from the dataclasses: its reference block is regenerated
+  from them here, and every field path has a row in it."""
+  from jaxrl.config import REFERENCE_BEGIN, REFERENCE_END, reference_markdown
+
+  text = (Path(__file__).parent.parent / "docs" / "configs.md").read_text()
+  block = text.split(REFERENCE_BEGIN)[1].split(REFERENCE_END)[0]
+  assert block.strip() == reference_markdown().strip(), (
+    "docs/configs.md is stale: run python -c 'from jaxrl.config import write_reference; "
+    "write_reference()'"
+  )
+  for path, is_section in field_paths().items():
+    section, _, name = path.rpartition(".")
+    heading = f"### `config.{section}`" if section else "### `config` (top level)"
+    assert heading in block, path
+    assert f"| `{name}` |" in block.split(heading)[1].split("### ")[0], path

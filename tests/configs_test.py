@@ -40,10 +40,10 @@ def test_smoke_variant_runs_and_learns(path, tmp_path):
   cfg.workdir = str(tmp_path)
   cfg.log.progress = False
   trainer = Trainer(validate(cfg), log=lambda *_: None)
-  init = jax.device_get(trainer.init_params)
+  init = jax.device_get(trainer.ctx.init_params)
   init = [np.array(x) for x in jax.tree.leaves(init)]  # copied: the SFT step donates its state
   summary = trainer.run()
-  final = jax.device_get(trainer.state.params)
+  final = jax.device_get(trainer.state.policy.params)
   trainer.close()
 
   lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]

@@ -37,8 +37,8 @@ def _config(workdir, **model):
   c.rl.group_size = 2
   # A near-random model earns no reward, so all advantages are 0: the entropy bonus (from the
   # first update, no warmup) is what makes RL move the weights away from the SFT ones.
-  c.rl.entropy_coef = 0.01
-  c.rl.warmup_steps = 0
+  c.rl.loss.entropy_coef = 0.01
+  c.rl.optim.warmup_steps = 0
   c.eval.num_examples = 8
   c.log.tensorboard = False
   c.log.progress = False
@@ -71,7 +71,7 @@ def run(tmp_path_factory):
       before_rl["rl"] = str(e)
     trainer.run_rl()
     trainer.rl_ckpt.wait()
-    rl = jax.device_get(trainer.state.params)
+    rl = jax.device_get(trainer.state.policy.params)
     yield dict(workdir=workdir, trainer=trainer, sft=sft, rl=rl, before_rl=before_rl)
   finally:
     trainer.close()
@@ -91,7 +91,7 @@ def test_default_export_is_the_final_rl_params_exactly(run, rl_export):
   assert f"exported rl step 2 of {run['workdir']} ({n:,} params, qwen3) to {out}" in line
   assert "byte tokenizer: no tokenizer files written" in line
   cfg, _, params = load_hf_checkpoint(out)
-  assert cfg == run["trainer"].model_cfg
+  assert cfg == run["trainer"].ctx.model_cfg
   _assert_params_equal(params, run["rl"])
   # The Trainer's own restore gives the same arrays the export was written from.
   phase, step, restored = run["trainer"].restore_params("rl")
@@ -116,7 +116,7 @@ def test_export_logits_match_transformers(run, rl_export):
     ).logits.numpy()
   trainer = run["trainer"]
   params = jax.device_put(run["rl"])
-  ours, _ = apply(trainer.graphdef, params, tokens, positions, valid)
+  ours, _ = apply(trainer.ctx.graphdef, params, tokens, positions, valid)
   np.testing.assert_allclose(np.asarray(ours)[valid], ref[valid], atol=1e-4, rtol=0)
 
 

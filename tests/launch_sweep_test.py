@@ -302,7 +302,7 @@ def test_sweep_runs_skips_retries_and_reports_failures(tmp_path, monkeypatch, ca
   monkeypatch.setenv("FAKE_FAIL_SEEDS", "1")
   out = tmp_path / "sweep"
   argv = ["run", f"--config={CONFIG}:smoke", "--seeds=0-2", "--isa=native,avx2", f"--out={out}"]
-  argv += ["--parallel=2", "--set", "rl.steps=2", "--", "--config.rl.beta=0.0"]
+  argv += ["--parallel=2", "--set", "rl.steps=2", "--", "--config.rl.kl.beta=0.0"]
   with pytest.raises(SystemExit) as e:
     sweep.main(argv)
   assert "2 of 6 runs failed: native_seed1 (rc=1), avx2_seed1 (rc=1)" in str(e.value.code)
@@ -313,8 +313,8 @@ def test_sweep_runs_skips_retries_and_reports_failures(tmp_path, monkeypatch, ca
   assert ok["ok"] and ok["returncode"] == 0
   assert ok["xla_flags"] == "--xla_foo=1 --xla_cpu_max_isa=AVX2"
   assert ok["summary"]["seen_xla_flags"] == ok["xla_flags"]  # what the process was given
-  assert ok["summary"]["seen_overrides"] == ["--config.rl.beta=0.0", "--config.rl.steps=2"]
-  assert ok["overrides"] == ["rl.beta=0.0", "rl.steps=2"]
+  assert ok["summary"]["seen_overrides"] == ["--config.rl.kl.beta=0.0", "--config.rl.steps=2"]
+  assert ok["overrides"] == ["rl.kl.beta=0.0", "rl.steps=2"]
   assert ok["eval_curve"] == [[4, 0.7], [5, 0.71], [6, 0.72]]
   assert ok["rl_gain"] == pytest.approx(0.02)
   native = json.loads((out / "runs" / "native_seed0.json").read_text())
@@ -341,7 +341,7 @@ def test_sweep_runs_skips_retries_and_reports_failures(tmp_path, monkeypatch, ca
 
   # The same --out with other overrides is refused before anything runs.
   with pytest.raises(SystemExit, match="holds runs of another sweep"):
-    sweep.main([*argv[:-1], "--config.rl.beta=0.5"])
+    sweep.main([*argv[:-1], "--config.rl.kl.beta=0.5"])
   assert "start" not in capsys.readouterr().out
 
 
@@ -382,7 +382,7 @@ def test_sft_from_starts_rl_from_the_source_sweeps_warm_starts(tmp_path, monkeyp
   monkeypatch.setattr(sweep, "TRAIN_COMMAND", (sys.executable, "-c", FAKE_RL_ONLY))
   src, out = _source_sweep(tmp_path), tmp_path / "out"
   argv = ["run", f"--config={CONFIG}:smoke", "--seeds=0", f"--out={out}", f"--sft-from={src}"]
-  assert sweep.main([*argv, "--set", "rl.learning_rate=3e-5"]) == 0
+  assert sweep.main([*argv, "--set", "rl.optim.learning_rate=3e-5"]) == 0
   run = json.loads((out / "runs" / "native_seed0.json").read_text())
   assert run["ok"] and run["sft_from"] == str(src)
   assert run["summary"]["resume"] == "True" and run["summary"]["found_sft_checkpoint"]

@@ -23,7 +23,7 @@ def _train(*flags):
   "flag, message",
   [
     ("--config.rl.betta=0.0", "betta"),
-    ("--config.rl.beta=abc", "beta"),
+    ("--config.rl.kl.beta=abc", "beta"),
     ("--config.rl.group_size=1", "config.rl.group_size=1 is invalid"),
     ("--config.sft.batch_size=0", "config.sft.batch_size=0 is out of range"),
     ("--config.rl.max_prompt_len=60", "max_seq_len"),

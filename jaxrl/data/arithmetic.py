@@ -1,5 +1,7 @@
 """Synthetic verifiable arithmetic task ("12+34=" -> "46") with a fixed held-out split."""
 
+from __future__ import annotations
+
 import dataclasses
 import hashlib
 from typing import Any, Literal
@@ -144,6 +146,11 @@ class ArithmeticTask:
       "b": b,
       "op": op,
     }
+
+  def sft_task(self, sft) -> ArithmeticTask:
+    """The warm-start's data mix (config.sft): its own operand distribution and the careless
+    teacher's rate; RL prompts and the held-out set keep this task's."""
+    return dataclasses.replace(self, operand_dist=sft.operand_dist, careless_rate=sft.careless_rate)
 
   def sft_completion(self, record: Record) -> str:
     """The demonstration (without EOS) for `record`: the answer, or the careless teacher's

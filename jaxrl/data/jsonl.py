@@ -1,5 +1,7 @@
 """Prompt/answer records from a local JSONL or Parquet file (GSM8K by default), served by grain."""
 
+from __future__ import annotations
+
 import dataclasses
 import functools
 import hashlib
@@ -176,6 +178,11 @@ class JsonlTask:
     if split not in ("train", "held_out"):
       raise ValueError(f"split must be 'train' or 'held_out', got {split!r}")
     return self._split_records[0 if split == "train" else 1]
+
+  def sft_task(self, sft) -> JsonlTask:
+    """The warm-start's data: the same records (config.sft's arithmetic data-mix fields do not
+    apply to a file of problems)."""
+    return self
 
   def sft_completion(self, record: Record) -> str:
     """The reference solution (the answer field, e.g. GSM8K's worked steps ending "#### 72")."""

@@ -650,6 +650,7 @@ def load_hf_checkpoint(
   dtype: str | None = None,
   lora: Mapping[str, Any] | None = None,
   lora_seed: int = 0,
+  execution: Mapping[str, Any] | None = None,
 ) -> tuple[ModelConfig, nnx.GraphDef, nnx.State]:
   """Reads an HF checkpoint directory (config.json + safetensors, single or sharded).
 
@@ -657,6 +658,8 @@ def load_hf_checkpoint(
   whole model never sits on one device. `dtype` overrides the checkpoint's param/compute dtype.
   `lora` ({"lora_rank": r, "lora_alpha": ..., "lora_targets": ...}, ModelConfig fields) adds
   fresh adapters to the loaded base: A drawn from `lora_seed`, B zero, so logits are the base's.
+  `execution` ({"scan_layers": ..., "remat": ...}) sets how the forward runs; the params are the
+  same either way.
   """
   path = Path(path)
   if (mesh is None) != (rules is None):
@@ -672,6 +675,11 @@ def load_hf_checkpoint(
         f"load_hf_checkpoint lora= has {bad}; allowed: lora_rank, lora_alpha, lora_targets"
       )
     cfg = cfg.replace(**lora)
+  if execution:
+    bad = sorted(set(execution) - {"scan_layers", "remat"})
+    if bad:
+      raise ValueError(f"load_hf_checkpoint execution= has {bad}; allowed: scan_layers, remat")
+    cfg = cfg.replace(**execution)
   model_type = hf_config["model_type"]
   graphdef, abstract = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0))))
   plan = weight_plan(cfg, abstract, WEIGHT_MAPS[model_type])

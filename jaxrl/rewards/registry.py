@@ -7,19 +7,13 @@ from typing import Any
 
 import numpy as np
 
+from jaxrl.registry import REWARDS, UnknownNameError
+
 # fn(completion, record) -> reward. `record` is the task's dataset record (prompt, answer, ...).
 RewardFn = Callable[[str, dict[str, Any]], float]
 
-_REGISTRY: dict[str, RewardFn] = {}
 _ON_ERROR = ("raise", "zero")
-
-
-class UnknownRewardError(KeyError, ValueError):
-  """An unknown reward name; both a KeyError (a failed lookup) and a ValueError (bad config)."""
-
-  def __str__(self) -> str:
-    # KeyError's own __str__ would wrap the message in quotes.
-    return str(self.args[0])
+UnknownRewardError = UnknownNameError  # a failed lookup (KeyError) and a bad config (ValueError)
 
 
 class RewardError(RuntimeError):
@@ -27,32 +21,18 @@ class RewardError(RuntimeError):
 
 
 def register(name: str) -> Callable[[RewardFn], RewardFn]:
-  """Decorator that registers a reward function under `name`."""
-  if not isinstance(name, str) or not name:
-    raise ValueError(f"reward name must be a non-empty str, got {name!r}")
-
-  def decorator(fn: RewardFn) -> RewardFn:
-    if name in _REGISTRY:
-      raise ValueError(f"reward {name!r} is already registered (by {_REGISTRY[name]!r})")
-    _REGISTRY[name] = fn
-    return fn
-
-  return decorator
+  """Decorator that registers a reward function under `name` (in jaxrl.registry.REWARDS)."""
+  return REWARDS.register(name)
 
 
 def names() -> tuple[str, ...]:
   """The registered reward names, sorted."""
-  return tuple(sorted(_REGISTRY))
+  return tuple(REWARDS.names())
 
 
 def get(name: str) -> RewardFn:
   """The reward function registered as `name`."""
-  try:
-    return _REGISTRY[name]
-  except (KeyError, TypeError):
-    raise UnknownRewardError(
-      f"unknown reward {name!r}; valid names: {', '.join(names()) or '(none registered)'}"
-    ) from None
+  return REWARDS.get(name)
 
 
 def _checked_reward(fn: RewardFn, completion: str, record: dict[str, Any]) -> float:

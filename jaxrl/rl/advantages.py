@@ -7,15 +7,17 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jaxrl.rl.registry import Registry
+from jaxrl.registry import ADVANTAGES as ESTIMATORS
+from jaxrl.rl import value
 
-ESTIMATORS = Registry("advantage estimator")
-# Estimators that need no group (work with group_size = 1); every other one baselines within it.
-GROUPLESS = ("reinforce_pp",)
-
-# Every estimator is called as fn(rewards [num_groups, G], mask=None, **options) and returns
+# Every advantage kind is in one registry, with two traits: `groupless` (works with
+# group_size = 1; every other estimator baselines within the group) and `needs_critic` (reads a
+# value model: the critic calls it on per-token rewards and values, jaxrl.rl.critic).
+# A group estimator is called as fn(rewards [num_groups, G], mask=None, **options) and returns
 # [num_groups, G] float32 with zeros at masked entries. Callers pass one common set of options
 # (e.g. scale_by_std), so each estimator ignores the ones it does not use via **_.
+
+ESTIMATORS.register("gae", needs_critic=True, groupless=True)(value.gae)
 
 
 def _prepare(rewards, mask):
@@ -83,7 +85,7 @@ def _global_whiten(values, mask, m, eps):
   return jnp.where(mask & (n > 1), centred / (std + eps), 0.0)
 
 
-@ESTIMATORS.register("reinforce_pp")
+@ESTIMATORS.register("reinforce_pp", groupless=True)
 def reinforce_pp(rewards, mask=None, *, eps: float = 1e-6, **_):
   """REINFORCE++ (Hu 2025, arXiv 2501.03262, "global advantage normalization"):
   A_i = (r_i - mean_batch(r)) / (std_batch(r) + eps), statistics over every valid sample of the

@@ -7,6 +7,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
 
 
 class TrainBatch(NamedTuple):
@@ -74,16 +75,41 @@ def supervised(prompt_tokens, prompt_mask, completions, *, max_new_tokens: int, 
   return TrainBatch(tokens, valid, loss_mask, zeros, zeros, zeros, versions)
 
 
+def put_like(x, like) -> jax.Array:
+  """Host array `x` on the devices of array `like`, replicated (e.g. row indices for a batch on
+  the mesh): an explicit transfer, so jitted code that mixes them moves nothing implicitly."""
+  sharding = getattr(like, "sharding", None)
+  if isinstance(sharding, NamedSharding):
+    return jax.device_put(x, NamedSharding(sharding.mesh, PartitionSpec()))
+  return jax.device_put(x)
+
+
+@jax.jit
+def _live_rows(loss_mask, advantages):
+  return jnp.any((loss_mask > 0) & (advantages != 0), axis=1)
+
+
+@jax.jit
+def take_rows(batch, rows):
+  """Rows `rows` (a device int array) of every field of a batch pytree."""
+  return jax.tree.map(lambda x: jnp.take(x, rows, axis=0), batch)
+
+
+@jax.jit
+def _zero_after(batch: TrainBatch, live):
+  live = live.astype(jnp.float32)[:, None]
+  return batch._replace(loss_mask=batch.loss_mask * live, advantages=batch.advantages * live)
+
+
 def gradient_rows(batch: TrainBatch) -> np.ndarray:
-  """[B] bool: the rows with a loss token whose advantage is non-zero.
+  """[B] bool on the host: the rows with a loss token whose advantage is non-zero.
 
   With a loss that is the advantage times a factor on every token (each policy loss of
   jaxrl.rl.losses, no KL term in the loss, no entropy bonus, no off-policy correction), the other
   rows' loss terms and gradients are exactly zero: a group whose rewards all tie adds nothing to
-  the update but compute.
+  the update but compute. Computed where the batch is; one explicit fetch of B booleans.
   """
-  mask = np.asarray(batch.loss_mask) > 0
-  return np.any(mask & (np.asarray(batch.advantages) != 0), axis=1)
+  return np.asarray(jax.device_get(_live_rows(batch.loss_mask, batch.advantages)))
 
 
 def compact_rows(
@@ -95,7 +121,8 @@ def compact_rows(
   micro-batches); None if that is not fewer than B.
 
   The padding rows are real rows (finite log-probs) that the loss never reads. Their shapes
-  stay [*, T], so the train step's programs differ only in the row count.
+  stay [*, T], so the train step's programs differ only in the row count. The rows are
+  gathered where the batch is (device arrays in, device arrays out: no implicit transfer).
   """
   keep = np.asarray(keep, bool)
   n, k = keep.size, int(keep.sum())
@@ -106,7 +133,6 @@ def compact_rows(
   size = -(-size // multiple) * multiple
   if size >= n:
     return None
-  rows = np.concatenate([np.flatnonzero(keep), np.flatnonzero(~keep)[: size - k]])
-  out = jax.tree.map(lambda x: x[rows], batch)
-  live = jnp.asarray(np.arange(size) < k, jnp.float32)[:, None]
-  return out._replace(loss_mask=out.loss_mask * live, advantages=out.advantages * live)
+  rows = np.concatenate([np.flatnonzero(keep), np.flatnonzero(~keep)[: size - k]]).astype(np.int32)
+  out = take_rows(batch, put_like(rows, batch.tokens))
+  return _zero_after(out, put_like(np.arange(size) < k, batch.tokens))

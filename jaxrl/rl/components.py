@@ -39,6 +39,7 @@ def build_model(model: ModelSection, tokenizer, mesh, rules: Rules, *, seed: int
   straight into its shardings (model.path), or a preset initialised from `seed`. With
   model.lora_rank the model carries fresh adapters (B = 0: it starts equal to the base)."""
   lora = lora_options(model)
+  execution = dict(scan_layers=model.scan_layers, remat=model.remat)
   if model.path:
     if not (Path(model.path) / "config.json").is_file():
       raise ConfigError(
@@ -47,7 +48,13 @@ def build_model(model: ModelSection, tokenizer, mesh, rules: Rules, *, seed: int
     # model.dtype sets weights and activations alike (a bf16 checkpoint trains in f32 on CPU).
     try:
       cfg, graphdef, params = load_hf_checkpoint(
-        model.path, mesh=mesh, rules=rules, dtype=model.dtype, lora=lora or None, lora_seed=seed
+        model.path,
+        mesh=mesh,
+        rules=rules,
+        dtype=model.dtype,
+        lora=lora or None,
+        lora_seed=seed,
+        execution=execution,
       )
     except ValueError as e:
       raise ConfigError(f"config.model (path={model.path!r}): {e}") from e
@@ -57,7 +64,7 @@ def build_model(model: ModelSection, tokenizer, mesh, rules: Rules, *, seed: int
         f"vocab_size={cfg.vocab_size}"
       )
     return cfg, graphdef, params
-  overrides = dict(vocab_size=tokenizer.vocab_size, dtype=model.dtype, **lora)
+  overrides = dict(vocab_size=tokenizer.vocab_size, dtype=model.dtype, **lora, **execution)
   if model.max_seq_len:
     overrides["max_seq_len"] = model.max_seq_len
   try:

@@ -22,7 +22,7 @@ from jaxrl.models.config import ModelConfig
 from jaxrl.models.lora import merge_lora
 from jaxrl.models.transformer import Transformer, positions_from_mask
 from jaxrl.rl.train_step import TrainState, init_state, make_optimizer, make_train_step
-from jaxrl.rl.value import gae, terminal_rewards, value_loss, whiten
+from jaxrl.rl.value import gae, value_loss, whiten
 
 
 class ValueModel(nnx.Module):
@@ -91,6 +91,7 @@ class Critic:
     mesh,
     rules,
     num_microbatches: int = 1,
+    estimator=gae,
   ):
     self.model_cfg = value_config(policy_cfg)
     self.mesh, self.rules = mesh, rules
@@ -111,6 +112,7 @@ class Critic:
       num_microbatches=num_microbatches,
     )
     self.cfg = cfg
+    self.estimator = estimator  # a needs_critic advantage kind of jaxrl.registry.ADVANTAGES
     graphdef = self.graphdef
     self.values = jax.jit(lambda p, t, v: nnx.merge(graphdef, p)(t, v))
 
@@ -126,18 +128,15 @@ class Critic:
   def init(self, policy_cfg: ModelConfig, policy_params: nnx.State) -> TrainState:
     return init_state(self.init_params(policy_cfg, policy_params), self.optimizer)
 
-  def advantages(self, params, batch, sharded, rewards, kl_tok=None, *, beta: float = 0.0):
-    """PPO advantages for a TrainBatch: the scalar rewards [B] on each completion's last loss
-    token, minus beta * kl_tok per token (KL folded into the reward), the critic's values
-    V(s_t) of the rollout (`sharded` = its (tokens, valid) on the mesh), GAE(gamma, lambda),
-    optionally whitened. Returns (batch with advantages, values and returns, stats)."""
+  def advantages(self, params, batch, token_rewards):
+    """PPO advantages for a TrainBatch on the mesh: the per-token rewards [B, T] (the task reward
+    on each completion's last loss token, minus beta * KL per token where it is folded in), the
+    critic's values V(s_t) of the rollout, GAE(gamma, lambda), optionally whitened. Returns
+    (batch with advantages, values and returns, stats as device scalars)."""
     c = self.cfg
     mask = batch.loss_mask
-    values = self.values(params, *sharded) * mask
-    token_rewards = terminal_rewards(rewards, mask)
-    if kl_tok is not None:
-      token_rewards = token_rewards - beta * kl_tok
-    adv, returns = gae(token_rewards, values, mask, gamma=c.gamma, lam=c.lam)
+    values = self.values(params, batch.tokens, batch.valid) * mask
+    adv, returns = self.estimator(token_rewards, values, mask, gamma=c.gamma, lam=c.lam)
     if c.whiten:
       adv = whiten(adv, mask)
     n = jnp.maximum(jnp.sum(mask), 1.0)
@@ -154,5 +153,4 @@ class Critic:
         var(returns) > 0, 1.0 - var(returns - values) / jnp.maximum(var(returns), 1e-12), 0.0
       ),
     }
-    stats = {k: float(v) for k, v in jax.device_get(stats).items()}
     return batch._replace(advantages=adv, values=values, returns=returns), stats

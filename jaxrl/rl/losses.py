@@ -5,15 +5,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxrl.rl.registry import Registry
-
-POLICY_LOSSES = Registry("policy loss")
-AGGREGATIONS = (
-  "token-mean",
-  "seq-mean-token-mean",
-  "seq-mean-token-sum",
-  "seq-mean-token-sum-norm",
-)
+from jaxrl.config import LOSS_AGGREGATIONS as AGGREGATIONS
+from jaxrl.registry import POLICY_LOSSES
 
 # Every policy loss is called as fn(logp, old_logp, advantages, *, eps_low, eps_high, mask=None,
 # **options) on [B, T] float32 arrays and returns (loss [B, T], clipped [B, T] bool). Callers pass

@@ -1,4 +1,4 @@
-"""Training objectives as train-step losses: GRPO (policy loss + KL to a reference) and SFT."""
+"""Training objectives as train-step losses: the policy loss (+ KL to a reference) and SFT."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from jaxrl.config import KLConfig, OffPolicyConfig, PolicyLossConfig
 from jaxrl.models.transformer import token_logprobs
 from jaxrl.rl import offpolicy as offpolicy_lib
 from jaxrl.rl.kl import kl_estimate
@@ -14,8 +15,10 @@ from jaxrl.rl.losses import POLICY_LOSSES, aggregate
 
 
 @dataclasses.dataclass(frozen=True)
-class GRPOLoss:
-  """Clipped policy loss on group-relative advantages plus beta * KL(pi_theta || pi_ref), minus
+class PolicyLoss:
+  """The policy-gradient loss of every RL algorithm here: one of jaxrl.rl.losses.POLICY_LOSSES
+  (PPO's clipped ratio for GRPO, DAPO, Dr.GRPO and PPO; GSPO's sequence ratio; CISPO's clipped
+  IS weight; ...) on the batch's advantages, plus beta * KL(pi_theta || pi_ref), minus
   entropy_coef * entropy, with optional off-policy corrections (jaxrl.rl.offpolicy).
 
   With beta = 0 the reference log-probs are never read (and the loop never computes them).
@@ -25,26 +28,19 @@ class GRPOLoss:
   """
 
   graphdef: object
-  temperature: float = 1.0
-  policy_loss: str = "ppo_clip"
-  eps_low: float = 0.2
-  eps_high: float = 0.2
-  beta: float = 0.0
-  kl_estimator: str = "k3"
-  aggregation: str = "token-mean"
-  clip_c: float = 3.0  # dual-clip bound for negative advantages
+  temperature: float = 1.0  # the sampler's: log-probs of softmax(logits / temperature)
+  loss: PolicyLossConfig = PolicyLossConfig()  # config.rl.loss
+  kl: KLConfig = KLConfig()  # config.rl.kl (its beta is a loss term unless kl.in_reward)
+  offpolicy: OffPolicyConfig = OffPolicyConfig()  # config.rl.offpolicy
   max_tokens: int | None = None  # the constant normaliser of "seq-mean-token-sum-norm"
-  entropy_coef: float = 0.0  # bonus on the tempered predictive entropy of completion tokens
-  offpolicy: str = "none"  # a name in offpolicy.OFFPOLICY
-  is_correction: str = "none"  # a name in offpolicy.IS_CORRECTIONS
-  is_cap: float = 2.0  # TIS truncation C
-  mis_low: float = 0.5  # MIS band [mis_low, mis_high]
-  mis_high: float = 2.0
-  m2po_tau: float = 0.04  # M2PO second-moment threshold
-  sat_tail: float = 2.0  # SAT tail threshold in batch RMS units
+
+  @property
+  def beta(self) -> float:
+    """The KL coefficient of the loss: rl.kl.beta, or 0 when the KL is folded into the reward."""
+    return 0.0 if self.kl.in_reward else self.kl.beta
 
   def _aggregate(self, per_token, mask):
-    return aggregate(per_token, mask, self.aggregation, max_tokens=self.max_tokens)
+    return aggregate(per_token, mask, self.loss.aggregation, max_tokens=self.max_tokens)
 
   def denominator(self, batch):
     return self._aggregate(jnp.zeros_like(batch.loss_mask), batch.loss_mask)[1]
@@ -73,19 +69,13 @@ class GRPOLoss:
       batch.old_logprobs,
       mask,
       batch.advantages,
-      offpolicy=self.offpolicy,
-      is_correction=self.is_correction,
+      self.offpolicy,
       prox=batch.prox_logprobs,
       lag=batch.lag(),
-      eps_low=self.eps_low,
-      eps_high=self.eps_high,
-      is_cap=self.is_cap,
-      mis_low=self.mis_low,
-      mis_high=self.mis_high,
-      m2po_tau=self.m2po_tau,
-      sat_tail=self.sat_tail,
+      eps_low=self.loss.eps_low,
+      eps_high=self.loss.eps_high,
     )
-    loss_fn = POLICY_LOSSES.get(self.policy_loss)
+    loss_fn = POLICY_LOSSES.get(self.loss.name)
     pg, clipped = loss_fn(
       logp,
       corr.old_logp,
@@ -93,7 +83,7 @@ class GRPOLoss:
       eps_low=corr.eps_low,
       eps_high=corr.eps_high,
       mask=mask,
-      clip_c=self.clip_c,
+      clip_c=self.loss.dual_clip_c,
       detached_logp=detached_logp,
     )
     # where, not a product: a masked-out token's loss may be inf (ratio overflow).
@@ -102,11 +92,11 @@ class GRPOLoss:
     n = jnp.sum(mask)
     metrics = {}
     if self.beta > 0:
-      kl = kl_estimate(logp, batch.ref_logprobs, self.kl_estimator)
+      kl = kl_estimate(logp, batch.ref_logprobs, self.kl.estimator)
       per_token = per_token + self.beta * kl
       metrics["rl/kl"] = (jnp.sum(kl * mask), n)
-    if self.entropy_coef > 0:
-      per_token = per_token - self.entropy_coef * entropy
+    if self.loss.entropy_coef > 0:
+      per_token = per_token - self.loss.entropy_coef * entropy
     total, denom = self._aggregate(per_token, mask)
     gap = jnp.abs(logp - batch.old_logprobs) * mask
     metrics.update(

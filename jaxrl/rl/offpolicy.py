@@ -7,10 +7,10 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jaxrl.rl.registry import Registry
+from jaxrl.config import OffPolicyConfig
+from jaxrl.registry import IS_CORRECTIONS, OFFPOLICY
 
-IS_CORRECTIONS = Registry("importance-sampling correction")
-OFFPOLICY = Registry("off-policy correction")
+NO_CORRECTION = OffPolicyConfig()  # config.rl.offpolicy's defaults: no correction at all
 
 # Notation, all [B, T] float32 log-probs of the sampled tokens: logp = log pi_theta (the learner,
 # differentiable), behav = log pi_behav (the sampler's, TrainBatch.old_logprobs), prox = log
@@ -41,8 +41,9 @@ def _default_anchor(logp, prox):
 
 
 # ------------------------------------------------------------------ IS corrections (mismatch)
-# Called as fn(log_rho, mask, *, is_cap, mis_low, mis_high, **_) with log_rho = log(pi_anchor /
-# pi_behav) [B, T] (detached). Return (weight [B, T], truncated [B, T] bool, masked [B, T] bool).
+# Called as fn(log_rho, mask, cfg) with log_rho = log(pi_anchor / pi_behav) [B, T] (detached) and
+# cfg the whole config.rl.offpolicy section (each reads its own fields). Return (weight [B, T],
+# truncated [B, T] bool, masked [B, T] bool).
 
 
 def sequence_log_ratio(log_rho, mask):
@@ -56,15 +57,15 @@ def sequence_log_ratio(log_rho, mask):
 
 
 @IS_CORRECTIONS.register("none")
-def no_is(log_rho, mask, **_):
+def no_is(log_rho, mask, cfg: OffPolicyConfig):
   """No mismatch correction: weight 1."""
-  del mask
+  del mask, cfg
   false = jnp.zeros(log_rho.shape, bool)
   return jnp.ones(log_rho.shape, jnp.float32), false, false
 
 
 @IS_CORRECTIONS.register("tis")
-def tis(log_rho, mask, *, is_cap: float = 2.0, **_):
+def tis(log_rho, mask, cfg: OffPolicyConfig):
   """Truncated importance sampling, token level (Yao et al. 2025, "Your Efficient RL Framework
   Secretly Brings You Off-Policy RL Training"; DART): w_t = min(rho_t, C),
   rho_t = pi_anchor / pi_behav, stop-gradient. Truncation bounds the variance a single token with a
@@ -72,18 +73,18 @@ def tis(log_rho, mask, *, is_cap: float = 2.0, **_):
   """
   del mask
   rho = jnp.exp(jax.lax.stop_gradient(log_rho))
-  return jnp.minimum(rho, is_cap), rho > is_cap, jnp.zeros(rho.shape, bool)
+  return jnp.minimum(rho, cfg.is_cap), rho > cfg.is_cap, jnp.zeros(rho.shape, bool)
 
 
 @IS_CORRECTIONS.register("tis_seq")
-def tis_seq(log_rho, mask, *, is_cap: float = 2.0, **_):
+def tis_seq(log_rho, mask, cfg: OffPolicyConfig):
   """Sequence-level TIS: every token of sequence i weighs min(rho_i, C), with rho_i the
   geometric-mean ratio of the sequence (see sequence_log_ratio)."""
-  return tis(sequence_log_ratio(log_rho, mask), mask, is_cap=is_cap)
+  return tis(sequence_log_ratio(log_rho, mask), mask, cfg)
 
 
 @IS_CORRECTIONS.register("mis")
-def mis(log_rho, mask, *, mis_low: float = 0.5, mis_high: float = 2.0, **_):
+def mis(log_rho, mask, cfg: OffPolicyConfig):
   """Masked importance sampling, token level (IcePop, Ring-1T 2025; Yao et al. 2025 MIS): the
   weight is rho_t inside [lo, hi] and 0 outside, so tokens the sampler and learner disagree on
   too much are dropped from the gradient instead of being down-weighted. lo <= 1 <= hi leaves
@@ -91,27 +92,28 @@ def mis(log_rho, mask, *, mis_low: float = 0.5, mis_high: float = 2.0, **_):
   """
   del mask
   rho = jnp.exp(jax.lax.stop_gradient(log_rho))
-  out = (rho < mis_low) | (rho > mis_high)
+  out = (rho < cfg.mis_low) | (rho > cfg.mis_high)
   return jnp.where(out, 0.0, rho), jnp.zeros(rho.shape, bool), out
 
 
 @IS_CORRECTIONS.register("mis_seq")
-def mis_seq(log_rho, mask, *, mis_low: float = 0.5, mis_high: float = 2.0, **_):
+def mis_seq(log_rho, mask, cfg: OffPolicyConfig):
   """Sequence-level MIS: a whole sequence is masked when its geometric-mean ratio leaves
   [lo, hi]; otherwise every token weighs the sequence ratio."""
-  return mis(sequence_log_ratio(log_rho, mask), mask, mis_low=mis_low, mis_high=mis_high)
+  return mis(sequence_log_ratio(log_rho, mask), mask, cfg)
 
 
 # ------------------------------------------------------------------- off-policy (staleness)
-# Called as fn(logp, behav, mask, advantages, *, prox, lag, eps_low, eps_high, **options) on
-# [B, T] arrays (prox may be None, lag is versions behind the learner, 0 on-policy). Return Adjust.
+# Called as fn(logp, behav, mask, advantages, cfg, *, prox, lag, eps_low, eps_high) on [B, T]
+# arrays (prox may be None, lag is versions behind the learner, 0 on-policy), cfg the whole
+# config.rl.offpolicy section and eps_low / eps_high the policy loss's clip range. Return Adjust.
 
 
 @OFFPOLICY.register("none")
-def no_offpolicy(logp, behav, mask, advantages, *, prox=None, eps_low=0.2, eps_high=0.2, **_):
+def no_offpolicy(logp, behav, mask, advantages, cfg, *, prox=None, lag=0.0, eps_low, eps_high):
   """Plain PPO ratio against the learner-side old policy when the batch carries one, else against
   the behaviour policy."""
-  del advantages
+  del advantages, cfg, lag
   old = behav if prox is None else prox
   false = jnp.zeros(logp.shape, bool)
   keep = jnp.asarray(mask, bool)
@@ -135,7 +137,7 @@ def interpolated_prox(logp, behav, lag):
 
 
 @OFFPOLICY.register("decoupled")
-def decoupled(logp, behav, mask, advantages, *, prox=None, lag=0.0, eps_low=0.2, eps_high=0.2, **_):
+def decoupled(logp, behav, mask, advantages, cfg, *, prox=None, lag=0.0, eps_low, eps_high):
   """Decoupled PPO (Hilton et al. 2022, "Batch size-invariance for policy optimization", arXiv
   2110.00641; AReaL): ratio = [pi_prox / pi_behav] x [pi_theta / pi_prox],
   the PPO clip on pi_theta / pi_prox (the trust region around the recent learner policy) and
@@ -144,7 +146,7 @@ def decoupled(logp, behav, mask, advantages, *, prox=None, lag=0.0, eps_low=0.2,
   prox_logprobs (recomputed by a learner forward before the first minibatch moves the policy), or
   interpolated_prox by version lag when the batch has none.
   """
-  del advantages
+  del advantages, cfg
   if prox is None:
     prox = interpolated_prox(logp, behav, lag)
   false = jnp.zeros(logp.shape, bool)
@@ -171,17 +173,15 @@ def m2po_keep(log_ratio, mask, tau: float):
 
 
 @OFFPOLICY.register("m2po")
-def m2po(
-  logp, behav, mask, advantages, *, prox=None, m2po_tau=0.04, eps_low=0.2, eps_high=0.2, **_
-):
+def m2po(logp, behav, mask, advantages, cfg, *, prox=None, lag=0.0, eps_low, eps_high):
   """M2PO (arXiv 2510.01161): mask only the extreme-ratio tokens so that the batch's second
   moment of log(pi_theta / pi_behav) is <= tau (m2po_keep). The paper drops PPO's clip and relies
   on this mask alone; pair it with wide eps_low / eps_high (or cispo) to reproduce that. With
   micro-batches the moment is taken per micro-batch (the tokens one loss call sees).
   """
-  del advantages
+  del advantages, lag
   old = behav if prox is None else prox
-  keep = m2po_keep(logp - behav, mask, m2po_tau)
+  keep = m2po_keep(logp - behav, mask, cfg.m2po_tau)
   false = jnp.zeros(logp.shape, bool)
   return Adjust(old, _default_anchor(logp, prox), False, keep, eps_low, eps_high, false)
 
@@ -215,12 +215,13 @@ def sat_bounds(log_ratio, mask, advantages, *, eps_low, eps_high, sat_tail: floa
 
 
 @OFFPOLICY.register("sat")
-def sat(logp, behav, mask, advantages, *, prox=None, sat_tail=2.0, eps_low=0.2, eps_high=0.2, **_):
+def sat(logp, behav, mask, advantages, cfg, *, prox=None, lag=0.0, eps_low, eps_high):
   """SAT staleness-adaptive trust region: PPO (or GSPO, as in the
   paper's SAT-GSPO) with the per-token bounds of sat_bounds."""
+  del lag
   old = behav if prox is None else prox
   lo, hi, contracted = sat_bounds(
-    logp - behav, mask, advantages, eps_low=eps_low, eps_high=eps_high, sat_tail=sat_tail
+    logp - behav, mask, advantages, eps_low=eps_low, eps_high=eps_high, sat_tail=cfg.sat_tail
   )
   keep = jnp.asarray(mask, bool)
   return Adjust(old, _default_anchor(logp, prox), False, keep, lo, hi, contracted)
@@ -243,14 +244,12 @@ def correct(
   behav,
   mask,
   advantages,
+  cfg: OffPolicyConfig = NO_CORRECTION,
   *,
-  offpolicy: str = "none",
-  is_correction: str = "none",
   prox=None,
   lag=0.0,
   eps_low: float = 0.2,
   eps_high: float = 0.2,
-  **options,
 ) -> Correction:
   """Apply an OFFPOLICY correction, then an IS correction of the mismatch pi_anchor / pi_behav.
 
@@ -259,17 +258,17 @@ def correct(
   al.'s exact form. Without pi_prox the anchor is sg(pi_theta), i.e. the weight is computed from
   sg(pi_theta / pi_behav) as written in TIS / MIS; either way rho = 1 on on-policy data and the
   loss is then exactly the uncorrected one. Under decoupled with is_correction 'none' the weight
-  is the raw pi_prox / pi_behav.
+  is the raw pi_prox / pi_behav. `cfg` is config.rl.offpolicy, handed over whole.
   """
-  adj = OFFPOLICY.get(offpolicy)(
-    logp, behav, mask, advantages, prox=prox, lag=lag, eps_low=eps_low, eps_high=eps_high, **options
+  adj = OFFPOLICY.get(cfg.method)(
+    logp, behav, mask, advantages, cfg, prox=prox, lag=lag, eps_low=eps_low, eps_high=eps_high
   )
   log_rho = jax.lax.stop_gradient(adj.anchor_logp - behav)
   log_rho = _where(mask, log_rho)
-  if is_correction == "none" and adj.anchor_weight:
+  if cfg.is_correction == "none" and adj.anchor_weight:
     w, truncated, masked = jnp.exp(log_rho), jnp.zeros(logp.shape, bool), ~adj.keep
   else:
-    w, truncated, masked = IS_CORRECTIONS.get(is_correction)(log_rho, mask, **options)
+    w, truncated, masked = IS_CORRECTIONS.get(cfg.is_correction)(log_rho, mask, cfg)
     masked = masked | ~adj.keep
   m = jnp.asarray(mask, bool)
   weight = jnp.where(masked, 0.0, w)

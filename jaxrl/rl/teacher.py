@@ -7,7 +7,6 @@ import jax
 import jax.numpy as jnp
 
 from jaxrl.config import DistillConfig
-from jaxrl.rl import components
 from jaxrl.rl.distill import (
   AdaptiveWindow,
   DistillBatch,
@@ -27,12 +26,12 @@ class Teacher:
   each row's supervised prefix, first running ADWIN's alignment probe on probe steps.
   """
 
-  def __init__(self, d: DistillConfig, student_cfg, student_graphdef, *, mesh, rules, sampling,
+  def __init__(self, d: DistillConfig, model, student_cfg, student_graphdef, *, sampling,
                aggregation: str, max_new_tokens: int):  # fmt: skip
+    """`model` = (ModelConfig, graphdef, params on the student's mesh) of the teacher
+    (jaxrl.rl.components.build_teacher makes it from config.distill.teacher)."""
     self.cfg = d
-    self.model_cfg, graphdef, self.params = components.build_teacher(
-      d.teacher, student_cfg, mesh, rules
-    )
+    self.model_cfg, graphdef, self.params = model
     self.graphdef = graphdef
     temperature = sampling.logprob_temperature
     vocab = student_cfg.vocab_size
@@ -61,15 +60,15 @@ class Teacher:
       self._probe = jax.jit(lambda p, b, w: prefix_alignment(self.loss, p, b, w))
 
   def score(self, batch, sharded):
-    """(DistillBatch, stats): the teacher's scores of the rollout in one jitted forward.
-    `sharded` = (tokens, valid) already placed on the mesh."""
+    """(DistillBatch, stats as device scalars): the teacher's scores of the rollout in one
+    jitted forward. `sharded` = (tokens, valid) already placed on the mesh."""
     t_logp, top_ids, top_logp = self._score(self.params, *sharded)
     mask = batch.loss_mask
     n = jnp.maximum(jnp.sum(mask), 1.0)
     k1 = jnp.sum((batch.old_logprobs - t_logp) * mask) / n  # estimate of KL(student || teacher)
     stats = {
-      "distill/teacher_logprob": float(jnp.sum(t_logp * mask) / n),
-      "distill/reverse_kl_rollout": float(k1),
+      "distill/teacher_logprob": jnp.sum(t_logp * mask) / n,
+      "distill/reverse_kl_rollout": k1,
     }
     out = DistillBatch(
       batch.tokens, batch.valid, mask, batch.old_logprobs, t_logp * mask, top_ids, top_logp

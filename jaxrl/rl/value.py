@@ -5,10 +5,6 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-# Advantage estimators on per-token rewards and a critic's values (rl.advantage), beside the
-# group estimators of jaxrl.rl.advantages.ESTIMATORS.
-TOKEN_ESTIMATORS = ("gae",)
-
 
 def terminal_rewards(rewards, mask):
   """Place each sequence's scalar reward on its last loss token. rewards: [B]; mask: [B, T].

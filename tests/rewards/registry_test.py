@@ -6,7 +6,6 @@ import numpy as np
 import pytest
 
 from jaxrl import rewards
-from jaxrl.rewards import registry
 
 _RECORDS = [
   {"prompt": "1+2=", "answer": "3"},
@@ -18,7 +17,11 @@ _RECORDS = [
 @pytest.fixture
 def clean_registry(monkeypatch):
   """A private copy of the registry so test registrations do not leak."""
-  monkeypatch.setattr(registry, "_REGISTRY", dict(registry._REGISTRY))
+  from jaxrl.registry import REWARDS
+
+  REWARDS.names()  # the built-ins registered before the copy
+  monkeypatch.setattr(REWARDS, "_fns", dict(REWARDS._fns))
+  monkeypatch.setattr(REWARDS, "_traits", dict(REWARDS._traits))
 
 
 @pytest.mark.parametrize(
@@ -50,7 +53,7 @@ def test_unknown_name_lists_valid_names():
   message = str(info.value)
   assert "exact_mtch" in message and "exact_match" in message
   # Config code may catch ValueError for any bad value.
-  with pytest.raises(ValueError, match="valid names: .*exact_match"):
+  with pytest.raises(ValueError, match=r"unknown reward .*; valid: \[.*exact_match"):
     rewards.get("nope")
 
 

@@ -14,6 +14,7 @@ from jaxrl.rl.advantages import (
   rloo,
   robust_median,
 )
+from jaxrl.rl.value import gae
 
 
 def _np_grpo(rewards, mask, eps=1e-6, scale_by_std=True):
@@ -115,7 +116,7 @@ def test_registry_lookup_and_error_lists_valid_names():
   assert "grpo" in ESTIMATORS.names()
   with pytest.raises(ValueError, match=r"unknown advantage estimator 'vapo'.*'grpo'"):
     ESTIMATORS.get("vapo")
-  with pytest.raises(ValueError, match="registered twice"):
+  with pytest.raises(ValueError, match="advantage estimator 'grpo' is already registered"):
     ESTIMATORS.register("grpo")(lambda r: r)
 
 
@@ -307,10 +308,14 @@ def test_robust_median_matches_numpy(min_frac):
     np.testing.assert_allclose(got, want, atol=1e-6)
 
 
-def test_registry_holds_every_estimator():
+def test_registry_holds_every_advantage_kind_with_its_traits():
   assert ESTIMATORS.names() == sorted(
-    ["dr_grpo", "grpo", "reinforce_pp", "reinforce_pp_baseline", "rloo", "robust_median"]
+    ["dr_grpo", "gae", "grpo", "reinforce_pp", "reinforce_pp_baseline", "rloo", "robust_median"]
   )
+  # GAE reads a critic; it and REINFORCE++ need no group (group_size = 1 is valid with them).
+  assert ESTIMATORS.names(needs_critic=True) == ["gae"] and ESTIMATORS.get("gae") is gae
+  assert ESTIMATORS.names(groupless=True) == ["gae", "reinforce_pp"]
+  assert ESTIMATORS.traits("grpo") == {}
   assert ESTIMATORS.get("rloo") is rloo
-  with pytest.raises(ValueError, match=r"valid: \['dr_grpo', 'grpo', 'reinforce_pp'"):
+  with pytest.raises(ValueError, match=r"valid: \['dr_grpo', 'gae', 'grpo', 'reinforce_pp'"):
     ESTIMATORS.get("gapo")

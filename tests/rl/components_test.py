@@ -72,7 +72,7 @@ def _gsm8k_config(hf_dir, workdir, beta=0.0, **model):
   c.rl.steps = 2
   c.rl.max_prompt_len = 192
   c.rl.max_new_tokens = 128
-  c.rl.beta = beta
+  c.rl.kl.beta = beta
   c.eval = dict(every=2, num_examples=4)
   return validate(c)
 
@@ -106,6 +106,17 @@ def test_model_from_preset_and_from_hf_dir(hf_dir):
   assert isinstance(tok, HFTokenizer)
   cfg, _, params = components.build_model(section, tok, mesh, rules, seed=0)
   assert cfg.lora_rank == 4 and cfg.lora_targets == ("q", "v") and cfg.max_seq_len == 384
+  assert not cfg.scan_layers and cfg.remat == "none"
+  # How the forward runs reaches the model from either source; the params are the same.
+  run_opts = {"scan_layers": True, "remat": "full"}
+  for source in ({"preset": "tiny"}, {"path": str(hf_dir)}):
+    section = validate({"model": {**source, **run_opts}}).model
+    tok = components.build_tokenizer(section)
+    scanned, _, scanned_params = components.build_model(section, tok, mesh, rules, seed=0)
+    assert scanned.scan_layers and scanned.remat == "full", source
+    plain = validate({"model": source}).model
+    _, _, plain_params = components.build_model(plain, tok, mesh, rules, seed=0)
+    assert jax.tree.structure(scanned_params) == jax.tree.structure(plain_params)
   with pytest.raises(ConfigError, match="model.path"):
     components.build_model(
       validate({"model": {"path": str(hf_dir / "data")}}).model, tok, mesh, rules, seed=0
@@ -116,12 +127,13 @@ def test_model_from_preset_and_from_hf_dir(hf_dir):
 
 def test_rl_on_an_hf_checkpoint_with_chat_template_and_lora(hf_dir, tmp_path):
   """SFT + GRPO through the engine on the exported checkpoint: only adapters move, the KL
-  reference is the base (so KL starts at 0), and the sampler matches the learner."""
+  reference is the policy RL starts from (so KL starts at 0), and the sampler matches the
+  learner."""
   cfg = _gsm8k_config(hf_dir, tmp_path, beta=0.1, lora_rank=4)
   trainer = Trainer(cfg, log=lambda *_: None)
-  base = {k: np.array(v) for k, v in _leaves(trainer.init_params).items() if "lora" not in k}
+  base = {k: np.array(v) for k, v in _leaves(trainer.ctx.init_params).items() if "lora" not in k}
   trainer.run()
-  after = _leaves(trainer.state.params)
+  after = _leaves(trainer.state.policy.params)
   for k, v in base.items():
     np.testing.assert_array_equal(np.asarray(after[k]), v, err_msg=k)  # the base is frozen
   assert any("lora" in k and np.any(np.asarray(v)) for k, v in after.items() if "['b']" in k)
@@ -133,7 +145,7 @@ def test_rl_on_an_hf_checkpoint_with_chat_template_and_lora(hf_dir, tmp_path):
   assert rl[0]["rollout/prefill_prompts"] == cfg.rl.prompts_per_step  # one prefill per group
   # Prompts of one length bucket share a call; past the prefill chunk they are chunked alone.
   assert 1 <= rl[0]["rollout/prefill_calls"] <= cfg.rl.prompts_per_step
-  assert trainer.group_sampler.engine.generate_compiles == 1
+  assert trainer.sampler.engine.generate_compiles == 1
   trainer.close()
 
 

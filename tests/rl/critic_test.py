@@ -173,7 +173,7 @@ def _rl_lines(wd):
 def test_ppo_warmup_trains_only_the_critic_and_resume_repeats_a_full_run(tmp_path):
   full = Trainer(_ppo_config(tmp_path / "full"), log=lambda *_: None)
   full.run()
-  expect = jax.device_get((full.state.params, full.critic_state.params))
+  expect = jax.device_get((full.state.policy.params, full.state.critic.params))
   full.close()
 
   part = Trainer(_ppo_config(tmp_path / "part"), log=lambda *_: None)
@@ -181,16 +181,16 @@ def test_ppo_warmup_trains_only_the_critic_and_resume_repeats_a_full_run(tmp_pat
   sft = [np.array(x) for x in jax.tree.leaves(part.sft_params)]
   part.run_rl(until=1)  # the one warm-up step: only the critic trains
   part.rl_ckpt.wait()
-  after = [np.array(x) for x in jax.tree.leaves(part.state.params)]
+  after = [np.array(x) for x in jax.tree.leaves(part.state.policy.params)]
   assert all(np.array_equal(a, b) for a, b in zip(sft, after, strict=True))
-  assert float(part.critic_state.step) == 1 and float(part.state.step) == 0
+  assert float(part.state.critic.step) == 1 and float(part.state.policy.step) == 0
   # The head starts at 0, so the first update moves the head (the trunk's gradient is 0).
-  assert np.abs(np.asarray(part.critic_state.params["value_head"].get_value())).max() > 0
+  assert np.abs(np.asarray(part.state.critic.params["value_head"].get_value())).max() > 0
   part.close()
 
   resumed = Trainer(_ppo_config(tmp_path / "part"), log=lambda *_: None)
   resumed.run()
-  got = jax.device_get((resumed.state.params, resumed.critic_state.params))
+  got = jax.device_get((resumed.state.policy.params, resumed.state.critic.params))
   resumed.close()
   lines = _rl_lines(tmp_path / "part")
   assert lines == _rl_lines(tmp_path / "full")
@@ -202,7 +202,7 @@ def test_ppo_warmup_trains_only_the_critic_and_resume_repeats_a_full_run(tmp_pat
 
 def test_ppo_raises_a_learnable_reward(tmp_path):
   """One sample per prompt, the critic as the only baseline: reward still climbs."""
-  cfg = _ppo_config(tmp_path, steps=8, learning_rate=3e-3, prompts_per_step=64)
+  cfg = _ppo_config(tmp_path, steps=8, optim={"learning_rate": 3e-3}, prompts_per_step=64)
   trainer = Trainer(cfg, log=lambda *_: None)
   trainer.run()
   trainer.close()
@@ -213,23 +213,24 @@ def test_ppo_raises_a_learnable_reward(tmp_path):
 def test_kl_in_reward_is_a_per_token_penalty_with_gae(tmp_path):
   """beta * k1 folded into the reward: the batch's GAE returns equal a numpy GAE of the
   terminal reward minus beta * (log pi_old - log pi_ref) per token."""
-  from jaxrl.rl.train_step import init_state
 
   @rewards.register("quarter_for_test")
   def quarter(completion, record):
     return 0.25
 
   critic = dict(warmup_steps=1, lam=1.0)
-  cfg = _ppo_config(tmp_path, beta=0.5, kl_in_reward=True, kl_estimator="k1", critic=critic)
+  kl = {"beta": 0.5, "in_reward": True, "estimator": "k1"}
+  cfg = _ppo_config(tmp_path, kl=kl, critic=critic)
   cfg = dataclasses.replace(cfg, reward=RewardConfig("quarter_for_test", "raise"))
   trainer = Trainer(cfg, log=lambda *_: None)
-  p = trainer.init_params
-  trainer.ref_params = jax.tree.map(lambda x: x * 1.1, p)  # a reference that differs
-  trainer.state = init_state(p, trainer.rl_opt)
-  trainer.critic_state = trainer.critic.init(trainer.model_cfg, p)
-  assert trainer.grpo_loss.beta == 0.0  # not also a loss term
-  it = iter(trainer.task.train_dataset(seed=0, batch_size=32))
-  batch, stats = trainer.rl_batch(0, next(it))
+  p = trainer.ctx.init_params
+  ref = jax.tree.map(lambda x: x * 1.1, p)  # a reference that differs
+  state = trainer.learner.init(p)
+  assert trainer.learner.loss.beta == 0.0  # rl.kl.in_reward: not also a loss term
+  it = iter(trainer.ctx.task.train_dataset(seed=0, batch_size=32))
+  batch, stats = trainer.experience.collect(
+    0, state.policy.params, next(it), ref_params=ref, critic_params=state.critic.params
+  )
   mask = np.asarray(batch.loss_mask, np.float64)
   kl = (np.asarray(batch.old_logprobs) - np.asarray(batch.ref_logprobs)) * mask
   assert np.abs(kl).max() > 1e-3

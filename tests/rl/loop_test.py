@@ -41,7 +41,7 @@ def _pointers(tree):
 
 @pytest.fixture(scope="module", params=["continuous", "static"])
 def run_with_spy(request, tmp_path_factory):
-  cfg = _config(tmp_path_factory.mktemp("spy"), beta=0.05)
+  cfg = _config(tmp_path_factory.mktemp("spy"), kl={"beta": 0.05})
   cfg = dataclasses.replace(
     cfg,
     rl=dataclasses.replace(
@@ -52,12 +52,12 @@ def run_with_spy(request, tmp_path_factory):
   seen = []
   # Every decode step of the engine reads the params it is handed: spy on them there, and on
   # the engine's compiled programs as the run goes.
-  engine = trainer.group_sampler.engine
+  engine = trainer.sampler.engine
   generate = engine.generate_steps
 
   def spy(params, *args):
     if trainer.state is not None:  # the RL phase (SFT keeps its state to itself)
-      learner = trainer.state.params
+      learner = trainer.state.policy.params
       seen.append((params is learner, _pointers(params), _pointers(learner)))
       programs = (engine._prefill_jit, engine._insert_jit)
       trainer.compiles.append((*(p._cache_size() for p in programs), engine.generate_compiles))
@@ -80,9 +80,9 @@ def test_sampler_receives_the_learners_own_arrays(run_with_spy):
 
 def test_steps_compile_once(run_with_spy):
   trainer, _ = run_with_spy
-  assert trainer.rl_step._cache_size() == 1
-  assert trainer.sft_step._cache_size() == 1
-  assert trainer.group_sampler.engine.generate_compiles == 1
+  assert trainer.learner.step_fn._cache_size() == 1
+  assert trainer.sft.step_fn._cache_size() == 1
+  assert trainer.sampler.engine.generate_compiles == 1
   # The engine's programs on the 8-device mesh, seen at every decode call of the RL phase: one
   # prefill and one insert per bucket (the RL rounds', the greedy and the sampled evaluation's,
   # all met before RL's first decode call), one decode step; none added by any later step.
@@ -118,7 +118,9 @@ def test_run_writes_metrics_checkpoints_and_plot(run_with_spy):
   assert max(r["rl/logprob_gap"] for r in rl) < 1e-5
   assert "eval/accuracy" in rl[1] and "eval/accuracy" in rl[3]
   # The arithmetic task's breakdown is logged beside it and adds up to it.
-  carry = [careless(r["a"], r["op"], r["b"]) not in (None, r["answer"]) for r in trainer.held_out]
+  carry = [
+    careless(r["a"], r["op"], r["b"]) not in (None, r["answer"]) for r in trainer.ctx.held_out
+  ]
   for r in (rl[1], rl[3]):
     assert 0 <= r["eval/careless_answers"] <= 1
     whole = (
@@ -133,7 +135,7 @@ def test_run_writes_metrics_checkpoints_and_plot(run_with_spy):
   assert summary["sampled_accuracy_after_rl"] == rl[-1]["eval/sampled_accuracy"]
   assert 0 <= summary["sampled_accuracy_after_sft"] <= 1
   assert trainer.rl_ckpt.latest_step() == 4
-  assert trainer.sft_ckpt.latest_step() == 10
+  assert trainer.sft.ckpt.latest_step() == 10
 
 
 def test_sampled_accuracy_at_a_vanishing_temperature_is_the_greedy_one(run_with_spy):
@@ -141,16 +143,16 @@ def test_sampled_accuracy_at_a_vanishing_temperature_is_the_greedy_one(run_with_
   temperature: as the temperature goes to 0 every draw is the argmax, so it equals the greedy
   accuracy; at the run's temperature 1 the draws differ."""
   trainer, _ = run_with_spy
-  params = trainer.state.params
-  sampling, reward_fn = trainer.sampling, trainer.reward_fn
+  params = trainer.state.policy.params
+  sampling, reward_fn = trainer.sampler.sampling, trainer.ctx.reward_fn
   # A graded score of the text itself (the tiny model's exact-match accuracy may well be 0).
-  trainer.reward_fn = lambda completion, record: sum(map(ord, completion)) % 97 / 97
+  trainer.ctx.reward_fn = lambda completion, record: sum(map(ord, completion)) % 97 / 97
   try:
     at_one = trainer.evaluate(params)
-    trainer.sampling = SamplingParams(temperature=1e-6)
+    trainer.sampler.sampling = SamplingParams(temperature=1e-6)
     cold = trainer.evaluate(params)
   finally:
-    trainer.sampling, trainer.reward_fn = sampling, reward_fn
+    trainer.sampler.sampling, trainer.ctx.reward_fn = sampling, reward_fn
   assert cold["eval/accuracy"] == at_one["eval/accuracy"]
   assert cold["eval/sampled_accuracy"] == pytest.approx(cold["eval/accuracy"], rel=1e-6)
   assert at_one["eval/sampled_accuracy"] != pytest.approx(at_one["eval/accuracy"], rel=1e-3)
@@ -167,7 +169,7 @@ def test_resume_repeats_an_uninterrupted_run(tmp_path):
 
   full = Trainer(_config(tmp_path / "full"), log=lambda *_: None)
   full.run()
-  full_params = jax.device_get(full.state.params)
+  full_params = jax.device_get(full.state.policy.params)
   full.close()
 
   part = Trainer(_config(tmp_path / "part"), log=lambda *_: None)
@@ -176,7 +178,7 @@ def test_resume_repeats_an_uninterrupted_run(tmp_path):
   part.close()
   resumed = Trainer(_config(tmp_path / "part"), log=lambda *_: None)
   resumed.run()
-  resumed_params = jax.device_get(resumed.state.params)
+  resumed_params = jax.device_get(resumed.state.policy.params)
   resumed.close()
 
   assert rl_lines(tmp_path / "part") == rl_lines(tmp_path / "full")
@@ -191,7 +193,7 @@ def test_interrupted_warm_start_resumes_to_the_same_params(tmp_path):
   full.close()
   part = Trainer(_config(tmp_path / "part"), log=lambda *_: None)
   part.run_sft(until=7)  # checkpoint.every=2: the forced save at 7 is what resumes
-  assert part.sft_ckpt.latest_step() == 7
+  assert part.sft.ckpt.latest_step() == 7
   part.close()
   resumed = Trainer(_config(tmp_path / "part"), log=lambda *_: None)
   resumed.run_sft()
@@ -219,7 +221,7 @@ def test_warm_start_demonstrations_follow_sft_careless_rate(tmp_path, monkeypatc
   monkeypatch.setattr(batch_lib, "supervised", spy)
   trainer.run_sft()
   trainer.close()
-  tok, eos = trainer.tokenizer, trainer.tokenizer.eos_id
+  tok, eos = trainer.ctx.tokenizer, trainer.ctx.tokenizer.eos_id
   carries = 0
   for prompts, mask, completions in seen:
     for row, valid, comp in zip(prompts, mask, completions, strict=True):
@@ -231,7 +233,7 @@ def test_warm_start_demonstrations_follow_sft_careless_rate(tmp_path, monkeypatc
       carries += slip != truth
       assert tok.decode(comp[:-1]) == slip, (a, op, b)
   assert len(seen) == 3 and carries > 0
-  assert all(r["answer"] == str(eval(r["prompt"][:-1])) for r in trainer.held_out)
+  assert all(r["answer"] == str(eval(r["prompt"][:-1])) for r in trainer.ctx.held_out)
 
 
 def test_reward_failure_is_reported_or_raised(tmp_path):
@@ -288,7 +290,7 @@ def test_grpo_raises_a_learnable_reward(tmp_path):
   def starts_with_one(completion, record):
     return float(completion.startswith("1"))
 
-  cfg = _config(tmp_path, steps=8, learning_rate=3e-3, prompts_per_step=8, group_size=8)
+  cfg = _config(tmp_path, steps=8, optim={"learning_rate": 3e-3}, prompts_per_step=8, group_size=8)
   cfg = dataclasses.replace(cfg, reward=RewardConfig("starts_with_one_for_test", "raise"))
   trainer = Trainer(cfg, log=lambda *_: None)
   trainer.run()
@@ -299,23 +301,29 @@ def test_grpo_raises_a_learnable_reward(tmp_path):
 
 
 def _rl_trainer(tmp_path, reward_name, **rl):
-  from jaxrl.rl.train_step import init_state
-
   cfg = _config(tmp_path, prompts_per_step=4, group_size=4, **rl)
   cfg = dataclasses.replace(cfg, reward=RewardConfig(reward_name, "raise"))
   trainer = Trainer(cfg, log=lambda *_: None)
-  trainer.state = init_state(trainer.init_params, trainer.rl_opt)
-  it = iter(trainer.task.train_dataset(seed=0, batch_size=4))
+  trainer.state = trainer.learner.init(trainer.ctx.init_params)
+  it = iter(trainer.ctx.task.train_dataset(seed=0, batch_size=4))
   rounds = []
-  inner = trainer._rollout_round
+  inner = trainer.experience.sample
 
-  def spy(step, rnd, records):
-    out = inner(step, rnd, records)
-    rounds.append(np.asarray(out[2]).reshape(-1, 4))
+  def spy(step, rnd, params, records):
+    out = inner(step, rnd, params, records)
+    rounds.append(np.asarray(out[1]).reshape(-1, 4))
     return out
 
-  trainer._rollout_round = spy
+  trainer.experience.sample = spy
   return trainer, it, rounds
+
+
+def _collect(trainer, step, records, next_records=None):
+  """The rollout stage of one step with the learner's current params (metrics fetched)."""
+  batch, stats = trainer.experience.collect(
+    step, trainer.state.policy.params, records, next_records
+  )
+  return batch, {k: float(v) for k, v in jax.device_get(stats).items()}
 
 
 def test_dynamic_sampling_never_trains_on_an_all_equal_group(tmp_path):
@@ -330,7 +338,7 @@ def test_dynamic_sampling_never_trains_on_an_all_equal_group(tmp_path):
   trainer, it, rounds = _rl_trainer(tmp_path, "half_the_prompts_tie_for_test", dynamic_sampling=ds)
   for step in range(3):
     rounds.clear()
-    batch, stats = trainer.rl_batch(step, next(it), next_records=lambda: next(it))
+    batch, stats = _collect(trainer, step, next(it), lambda: next(it))
     sampled = np.concatenate(rounds)
     tied = np.all(sampled == sampled[:, :1], axis=1)
     assert stats["rl/sampling_rounds"] == len(rounds) <= 5
@@ -355,7 +363,7 @@ def test_dynamic_sampling_at_the_cap_fills_with_zero_weight_groups(tmp_path):
 
   ds = {"enabled": True, "max_rounds": 3}
   trainer, it, rounds = _rl_trainer(tmp_path, "constant_for_test", dynamic_sampling=ds)
-  batch, stats = trainer.rl_batch(0, next(it), next_records=lambda: next(it))
+  batch, stats = _collect(trainer, 0, next(it), lambda: next(it))
   assert len(rounds) == 3 and stats["rl/sampling_rounds"] == 3
   assert stats["rl/dropped_groups"] == 12 and stats["rl/filler_groups"] == 4
   assert float(np.sum(batch.loss_mask)) == 0.0 and batch.size == 16  # shape kept
@@ -371,7 +379,7 @@ def test_overlong_shaping_and_truncation_masking(tmp_path):
 
   overlong = {"buffer": 3, "penalty": 1.0, "mask_truncated": True}
   trainer, it, _ = _rl_trainer(tmp_path, "zero_for_test", overlong=overlong, scale_by_std=False)
-  batch, stats = trainer.rl_batch(0, next(it))
+  batch, stats = _collect(trainer, 0, next(it))
   n_new = trainer.cfg.rl.max_new_tokens
   comp = np.asarray(batch.loss_mask)[:, -n_new:]
   lengths = (np.asarray(batch.valid)[:, -n_new:]).sum(1)
@@ -389,9 +397,8 @@ def test_run_with_offpolicy_corrections_and_dapo_options(tmp_path):
   cfg = _config(
     tmp_path,
     steps=2,
-    offpolicy="decoupled",
-    is_correction="tis",
-    entropy_coef=0.01,
+    offpolicy={"method": "decoupled", "is_correction": "tis"},
+    loss={"entropy_coef": 0.01},
     num_minibatches=2,
     dynamic_sampling={"enabled": True, "max_rounds": 2},
     overlong={"buffer": 2},
@@ -416,14 +423,14 @@ def test_int8_rollouts_sample_from_the_quantized_policy_and_report_the_gap(tmp_p
   step (every projection equals quantize_int8 of the learner's weight), the sampler-learner gap
   shows in rl/logprob_gap, and TIS corrects against a recomputed pi_prox."""
   rollout = {"quantize": "int8"}
-  cfg = _config(tmp_path, steps=2, is_correction="tis", rollout=rollout)
+  cfg = _config(tmp_path, steps=2, offpolicy={"is_correction": "tis"}, rollout=rollout)
   trainer = Trainer(cfg, log=lambda *_: None)
-  engine = trainer.group_sampler.engine
+  engine = trainer.sampler.engine
   generate, checked = engine.generate_steps, []
 
   def spy(params, *args):
     if trainer.state is not None and not checked:
-      learner = nnx.to_flat_state(trainer.state.params)
+      learner = nnx.to_flat_state(trainer.state.policy.params)
       quantized = dict(nnx.to_flat_state(params))
       n = 0
       for path, v in learner:
@@ -436,7 +443,7 @@ def test_int8_rollouts_sample_from_the_quantized_policy_and_report_the_gap(tmp_p
           n += 1
         elif path[-1] == "embed":
           assert q is not None and not isinstance(q, QArray)
-      assert n == 3 * trainer.model_cfg.num_layers
+      assert n == 3 * trainer.ctx.model_cfg.num_layers
       checked.append(True)
     return generate(params, *args)
 
@@ -461,31 +468,33 @@ def test_skipping_zero_advantage_rows_leaves_the_update_as_it_was(tmp_path):
   import jax.numpy as jnp
 
   from jaxrl import rewards
-  from jaxrl.rl.train_step import init_state
 
   @rewards.register("odd_prompts_tie_for_skip_test")
   def odd_tie(completion, record):
     a = int(record["prompt"].split("+")[0].split("-")[0])
     return 0.5 if a % 2 else float(len(completion) % 2)
 
-  trainer, it, _ = _rl_trainer(tmp_path, "odd_prompts_tie_for_skip_test", warmup_steps=0)
-  assert trainer.skip_rows
+  trainer, it, _ = _rl_trainer(tmp_path, "odd_prompts_tie_for_skip_test", optim={"warmup_steps": 0})
+  learner = trainer.learner
+  assert learner.skip_rows
   while True:  # a batch with both kinds of group
-    batch, _ = trainer.rl_batch(0, next(it))
+    batch, _ = _collect(trainer, 0, next(it))
     live = np.abs(np.asarray(batch.advantages)).reshape(4, -1).max(1) > 0
     if 0 < live.sum() <= 2:
       break
-  fresh = jax.tree.map(jnp.copy, trainer.init_params)
-  trainer.state = init_state(jax.tree.map(jnp.copy, fresh), trainer.rl_opt)
-  skipped = trainer._update(0, batch)
-  params_skipped = jax.device_get(trainer.state.params)
+  fresh = jax.tree.map(jnp.copy, trainer.ctx.init_params)
+
+  def update():
+    state = learner.init(jax.tree.map(jnp.copy, fresh))
+    state, m = learner.update(state, batch, 0)
+    return jax.device_get(state.policy.params), jax.device_get(m)
+
+  params_skipped, skipped = update()
   assert skipped["rl/trained_rows"] == 0.5  # 8 of the 16 rows: the live ones, padded
-  trainer.skip_rows = False
-  trainer.state = init_state(jax.tree.map(jnp.copy, fresh), trainer.rl_opt)
-  full = trainer._update(0, batch)
-  params_full = jax.device_get(trainer.state.params)
+  learner.skip_rows = False
+  params_full, full = update()
   assert "rl/trained_rows" in full and full["rl/trained_rows"] == 1.0
-  assert trainer.rl_step._cache_size() == 2  # one program per row count
+  assert learner.step_fn._cache_size() == 2  # one program per row count
   np.testing.assert_allclose(skipped["opt/grad_norm"], full["opt/grad_norm"], rtol=1e-5)
   assert skipped["opt/loss_tokens"] == full["opt/loss_tokens"]
 
@@ -495,7 +504,7 @@ def test_skipping_zero_advantage_rows_leaves_the_update_as_it_was(tmp_path):
   diffs = leaf_diffs(params_skipped, params_full)
   moved = leaf_diffs(params_full, fresh)
   step = max(m.max() for m in moved)
-  assert step == pytest.approx(trainer.cfg.rl.learning_rate, rel=1e-3)  # Adam: lr * g / |g|
+  assert step == pytest.approx(trainer.cfg.rl.optim.learning_rate, rel=1e-3)  # Adam: lr * g / |g|
   # Adam's first update is lr * g / (|g| + eps): the two gradients differ only by float
   # summation order (train_step_test bounds that), which moves no parameter by 0.1% of a step.
   assert max(d.max() for d in diffs) <= 1e-3 * step

@@ -1,4 +1,4 @@
-"""GRPOLoss and SFTLoss against numpy references from the model's logits; GRPO gradient vs FD."""
+"""PolicyLoss and SFTLoss against numpy references from the model's logits; GRPO gradient vs FD."""
 
 import functools
 
@@ -7,11 +7,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxrl.config import KLConfig, OffPolicyConfig, PolicyLossConfig
 from jaxrl.models import ModelConfig, make_model
 from jaxrl.models.transformer import apply, positions_from_mask, token_logprobs
 from jaxrl.rl.batch import TrainBatch
 from jaxrl.rl.losses import AGGREGATIONS, POLICY_LOSSES, aggregate
-from jaxrl.rl.objectives import GRPOLoss, SFTLoss
+from jaxrl.rl.objectives import PolicyLoss, SFTLoss
 
 CFG = ModelConfig.tiny().replace(num_layers=1)
 B, T, P = 6, 10, 4  # batch, columns, prompt bucket
@@ -67,7 +68,12 @@ def make_batch(model, seed):
 def test_grpo_loss_matches_numpy_reference(model):
   graphdef, params = model
   batch = make_batch(model, seed=0)
-  loss = GRPOLoss(graphdef, temperature=TEMPERATURE, eps_low=0.2, eps_high=0.28, beta=0.05)
+  loss = PolicyLoss(
+    graphdef,
+    temperature=TEMPERATURE,
+    loss=PolicyLossConfig(eps_low=0.2, eps_high=0.28),
+    kl=KLConfig(beta=0.05),
+  )
   total, metrics = jax.jit(loss)(params, batch)
   logp, ent = np_logprobs(model, batch.tokens, batch.valid, TEMPERATURE)
   m = np.asarray(batch.loss_mask, np.float64)
@@ -106,7 +112,7 @@ def test_grpo_without_kl_never_reads_the_reference(model):
   graphdef, params = model
   batch = make_batch(model, seed=1)
   poisoned = batch._replace(ref_logprobs=jnp.full_like(batch.ref_logprobs, jnp.nan))
-  loss = GRPOLoss(graphdef, temperature=TEMPERATURE, beta=0.0)
+  loss = PolicyLoss(graphdef, temperature=TEMPERATURE, kl=KLConfig(beta=0.0))
   total, metrics = jax.jit(loss)(params, poisoned)
   assert "rl/kl" not in metrics
   assert np.isfinite(float(total))
@@ -116,7 +122,12 @@ def test_grpo_without_kl_never_reads_the_reference(model):
 def test_grpo_gradient_matches_finite_differences(model):
   graphdef, params = model
   batch = make_batch(model, seed=2)
-  loss = GRPOLoss(graphdef, temperature=TEMPERATURE, eps_low=0.2, eps_high=0.28, beta=0.05)
+  loss = PolicyLoss(
+    graphdef,
+    temperature=TEMPERATURE,
+    loss=PolicyLossConfig(eps_low=0.2, eps_high=0.28),
+    kl=KLConfig(beta=0.05),
+  )
   mean_loss = jax.jit(lambda p: loss(p, batch)[0] / loss.denominator(batch))
   grads = jax.jit(jax.grad(mean_loss))(params)
   flat, treedef = jax.tree_util.tree_flatten_with_path(params)
@@ -159,16 +170,15 @@ def test_sft_loss_is_token_mean_nll_of_completion_tokens(model):
 @pytest.mark.parametrize("aggregation", AGGREGATIONS)
 @pytest.mark.parametrize("policy_loss", POLICY_LOSSES.names())
 def test_every_registered_loss_and_aggregation_wires_through(model, policy_loss, aggregation):
-  """GRPOLoss hands the loss mask (GSPO's |y_i|) and the constant normaliser through: its value
+  """PolicyLoss hands the loss mask (GSPO's |y_i|) and the constant normaliser through: its value
   equals the registered function aggregated by hand, and sum / denominator is what `aggregate`
   defines."""
   graphdef, params = model
   batch = make_batch(model, seed=5)
-  loss = GRPOLoss(
+  loss = PolicyLoss(
     graphdef,
     temperature=TEMPERATURE,
-    policy_loss=policy_loss,
-    aggregation=aggregation,
+    loss=PolicyLossConfig(name=policy_loss, aggregation=aggregation),
     max_tokens=T - P,
   )
   total, metrics = jax.jit(loss)(params, batch)
@@ -186,9 +196,10 @@ def test_every_registered_loss_and_aggregation_wires_through(model, policy_loss,
 def test_entropy_bonus_is_aggregated_like_the_loss(model, aggregation):
   graphdef, params = model
   batch = make_batch(model, seed=6)
-  kw = dict(temperature=TEMPERATURE, aggregation=aggregation)
-  total, metrics = jax.jit(GRPOLoss(graphdef, entropy_coef=0.1, **kw))(params, batch)
-  base, _ = jax.jit(GRPOLoss(graphdef, **kw))(params, batch)
+  bonus_loss = PolicyLossConfig(aggregation=aggregation, entropy_coef=0.1)
+  total, metrics = jax.jit(PolicyLoss(graphdef, TEMPERATURE, bonus_loss))(params, batch)
+  plain = PolicyLossConfig(aggregation=aggregation)
+  base, _ = jax.jit(PolicyLoss(graphdef, TEMPERATURE, plain))(params, batch)
   _, ent = np_logprobs(model, batch.tokens, batch.valid, TEMPERATURE)  # tempered entropy
   m = np.asarray(batch.loss_mask, np.float64)
   if aggregation == "token-mean":
@@ -200,7 +211,7 @@ def test_entropy_bonus_is_aggregated_like_the_loss(model, aggregation):
 
 
 def _on_policy_batch(model, seed):
-  """old_logprobs = the learner's own log-probs (float32, the GRPOLoss forward)."""
+  """old_logprobs = the learner's own log-probs (float32, the PolicyLoss forward)."""
   graphdef, params = model
   batch = make_batch(model, seed)
   logp = jax.jit(
@@ -219,7 +230,12 @@ def test_is_corrections_leave_on_policy_data_unchanged(model):
   def all_grads(p):
     out = []
     for name in names:
-      loss = GRPOLoss(graphdef, temperature=TEMPERATURE, is_correction=name, eps_high=0.28)
+      loss = PolicyLoss(
+        graphdef,
+        temperature=TEMPERATURE,
+        loss=PolicyLossConfig(eps_high=0.28),
+        offpolicy=OffPolicyConfig(is_correction=name),
+      )
       out.append(jax.value_and_grad(lambda q, loss=loss: loss(q, batch)[0])(p))
     return out
 
@@ -238,20 +254,20 @@ FD_CASES = [dict(policy_loss=name) for name in POLICY_LOSSES.names()] + [
   dict(is_correction="tis_seq", is_cap=1.05),
   dict(is_correction="mis", mis_low=0.7, mis_high=1.4),
   dict(is_correction="mis_seq", mis_low=0.9, mis_high=1.1),
-  dict(offpolicy="decoupled"),  # prox recomputed (in the batch)
-  dict(offpolicy="decoupled", prox=False),  # prox interpolated by version lag
-  dict(offpolicy="m2po", m2po_tau=0.05),
-  dict(offpolicy="sat", sat_tail=1.0),
+  dict(method="decoupled"),  # prox recomputed (in the batch)
+  dict(method="decoupled", prox=False),  # prox interpolated by version lag
+  dict(method="m2po", m2po_tau=0.05),
+  dict(method="sat", sat_tail=1.0),
 ]
 
 
 @pytest.mark.parametrize("case", FD_CASES, ids=lambda c: "-".join(map(str, c.values())))
 def test_full_loss_gradient_matches_finite_differences_along_a_random_direction(model, case):
   """d/dt L(params + t u) at t = 0 by central differences equals <grad L, u>, for the full
-  GRPOLoss (policy loss, off-policy correction, KL and entropy terms) of the tiny model.
+  PolicyLoss (policy loss, off-policy correction, KL and entropy terms) of the tiny model.
 
   Stop-gradient parts (IS weights, masks, SAT bounds, CISPO's weight) are held at the unperturbed
-  params in the finite difference, as autodiff treats them (GRPOLoss.from_logprobs's
+  params in the finite difference, as autodiff treats them (PolicyLoss.from_logprobs's
   detached_logp). u is Gaussian, scaled per leaf by the leaf's RMS, so every parameter moves by
   ~h of its own scale. h = 1e-3: float32 loss evaluations carry ~1e-7 relative rounding, i.e.
   ~1e-4 absolute error after dividing by 2h against derivatives of O(0.1-1); the O(h^2) truncation
@@ -263,19 +279,18 @@ def test_full_loss_gradient_matches_finite_differences_along_a_random_direction(
   batch = make_batch(model, seed=8)
   rng = np.random.default_rng(9)
   mask = np.asarray(batch.loss_mask)
-  if case.pop("prox", True) and (case.get("is_correction") or case.get("offpolicy")):
+  if case.pop("prox", True) and (case.get("is_correction") or case.get("method")):
     prox = np.asarray(batch.old_logprobs) + rng.normal(0.0, 0.3, mask.shape)
     batch = batch._replace(prox_logprobs=jnp.asarray(prox * mask, jnp.float32))
   else:
     batch = batch._replace(learner_version=jnp.full((B,), 2, jnp.int32))  # lag 2
-  loss = GRPOLoss(
+  name = case.pop("policy_loss", "ppo_clip")
+  loss = PolicyLoss(
     graphdef,
     temperature=TEMPERATURE,
-    eps_low=0.2,
-    eps_high=0.28,
-    beta=0.05,
-    entropy_coef=0.01,
-    **case,
+    loss=PolicyLossConfig(name=name, eps_low=0.2, eps_high=0.28, entropy_coef=0.01),
+    kl=KLConfig(beta=0.05),
+    offpolicy=OffPolicyConfig(**case),  # the rest of the case: the off-policy section
   )
   den = loss.denominator(batch)
   grads = jax.jit(jax.grad(lambda p: loss(p, batch)[0] / den))(params)
@@ -299,7 +314,7 @@ def test_full_loss_gradient_matches_finite_differences_along_a_random_direction(
   h = 1e-3
   (plus, clip_p, _), (minus, clip_m, _), (_, clip_0, m0) = at(h), at(-h), at(0.0)
   assert clip_p == clip_m == clip_0  # no token switches clip branch within [-h, h]
-  if case.get("is_correction") or case.get("offpolicy") in ("m2po", "sat"):
+  if case.get("is_correction") or case.get("method") in ("m2po", "sat"):
     # The correction acts on this batch: some tokens are truncated, masked or contracted.
     active = m0["offpolicy/clipped_frac"][0] + m0["offpolicy/masked_frac"][0]
     assert 0 < float(active) < float(np.sum(mask)), case

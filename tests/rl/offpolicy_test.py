@@ -5,6 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxrl.config import OffPolicyConfig
 from jaxrl.rl import offpolicy
 from jaxrl.rl.losses import ppo_clip
 from jaxrl.rl.offpolicy import IS_CORRECTIONS, OFFPOLICY
@@ -76,10 +77,10 @@ def test_token_level_is_hand_values():
   rho = np.array([[0.3, 0.6, 1.0, 1.5, 2.5, 9.0]])
   mask = np.ones_like(rho, bool)
   (log_rho,) = _j(np.log(rho))
-  w, trunc, masked = offpolicy.tis(log_rho, mask, is_cap=2.0)
+  w, trunc, masked = offpolicy.tis(log_rho, mask, OffPolicyConfig(is_cap=2.0))
   np.testing.assert_allclose(w, [[0.3, 0.6, 1.0, 1.5, 2.0, 2.0]], rtol=1e-6)
   assert trunc.tolist() == [[False, False, False, False, True, True]] and not masked.any()
-  w, trunc, masked = offpolicy.mis(log_rho, mask, mis_low=0.5, mis_high=2.0)
+  w, trunc, masked = offpolicy.mis(log_rho, mask, OffPolicyConfig(mis_low=0.5, mis_high=2.0))
   np.testing.assert_allclose(w, [[0.0, 0.6, 1.0, 1.5, 0.0, 0.0]], rtol=1e-6)
   assert masked.tolist() == [[True, False, False, False, True, True]] and not trunc.any()
 
@@ -90,13 +91,13 @@ def test_sequence_level_uses_the_geometric_mean_ratio():
   rho = np.array([[4.0, 0.25, 1.0], [4.0, 4.0, 123.0]])
   mask = np.array([[True, True, False], [True, True, False]])
   (log_rho,) = _j(np.log(rho))
-  w, trunc, _ = offpolicy.tis_seq(log_rho, mask, is_cap=3.0)
+  w, trunc, _ = offpolicy.tis_seq(log_rho, mask, OffPolicyConfig(is_cap=3.0))
   np.testing.assert_allclose(w, [[1.0] * 3, [3.0] * 3], rtol=1e-6)
   assert trunc[1].all() and not trunc[0].any()
-  w, _, masked = offpolicy.mis_seq(log_rho, mask, mis_low=0.5, mis_high=5.0)
+  w, _, masked = offpolicy.mis_seq(log_rho, mask, OffPolicyConfig(mis_low=0.5, mis_high=5.0))
   np.testing.assert_allclose(w, [[1.0] * 3, [4.0] * 3], rtol=1e-6)
   assert not masked.any()
-  _, _, masked = offpolicy.mis_seq(log_rho, mask, mis_low=0.5, mis_high=2.0)
+  _, _, masked = offpolicy.mis_seq(log_rho, mask, OffPolicyConfig(mis_low=0.5, mis_high=2.0))
   assert masked.tolist() == [[False] * 3, [True] * 3]
 
 
@@ -143,7 +144,7 @@ def test_is_corrections_match_numpy(name):
   shift = np.array([[-0.9], [0.0], [0.3], [0.8], [0.1]])  # so whole sequences leave the band
   log_rho = np.where(mask, logp - behav + shift, 0.0)
   w, trunc, masked = IS_CORRECTIONS.get(name)(
-    jnp.asarray(log_rho, jnp.float32), mask, is_cap=1.5, mis_low=0.6, mis_high=1.7
+    jnp.asarray(log_rho, jnp.float32), mask, OffPolicyConfig(is_cap=1.5, mis_low=0.6, mis_high=1.7)
   )
   want_w, want_t, want_m = np_is(name, log_rho, mask, cap=1.5, lo=0.6, hi=1.7)
   np.testing.assert_allclose(np.where(mask, w, 0), np.where(mask, want_w, 0), rtol=1e-5)
@@ -185,11 +186,17 @@ def test_composed_loss_matches_numpy(offp, isc):
   logp, behav, mask, adv = _arrays(seed=4, spread=0.5)
   rng = np.random.default_rng(5)
   prox = np.where(mask, behav + rng.normal(0.0, 0.3, size=(B, T)), 0.0)
-  opts = dict(is_cap=1.5, mis_low=0.6, mis_high=1.7, m2po_tau=0.1, sat_tail=1.5)
-  jl, jb, ja, jp = _j(np.where(mask, logp, 0.0), behav, adv, prox)
-  corr = offpolicy.correct(
-    jl, jb, mask, ja, offpolicy=offp, is_correction=isc, prox=jp, eps_low=0.2, eps_high=0.28, **opts
+  cfg = OffPolicyConfig(
+    method=offp,
+    is_correction=isc,
+    is_cap=1.5,
+    mis_low=0.6,
+    mis_high=1.7,
+    m2po_tau=0.1,
+    sat_tail=1.5,
   )
+  jl, jb, ja, jp = _j(np.where(mask, logp, 0.0), behav, adv, prox)
+  corr = offpolicy.correct(jl, jb, mask, ja, cfg, prox=jp, eps_low=0.2, eps_high=0.28)
   loss, _ = ppo_clip(jl, corr.old_logp, ja, eps_low=corr.eps_low, eps_high=corr.eps_high)
   got = np.where(mask, np.where(corr.weight > 0, corr.weight * loss, 0.0), 0.0)
 
@@ -233,9 +240,8 @@ def test_on_policy_data_is_left_unchanged(offp, isc):
   ja = jnp.asarray(adv, jnp.float32)
 
   def total(lp_, name_off, name_is):
-    corr = offpolicy.correct(
-      jax.lax.stop_gradient(lp_), lp, mask, ja, offpolicy=name_off, is_correction=name_is
-    )
+    cfg = OffPolicyConfig(method=name_off, is_correction=name_is)
+    corr = offpolicy.correct(jax.lax.stop_gradient(lp_), lp, mask, ja, cfg)
     loss, _ = ppo_clip(lp_, corr.old_logp, ja, eps_low=corr.eps_low, eps_high=corr.eps_high)
     return jnp.sum(jnp.where(mask, corr.weight * loss, 0.0)), corr
 
@@ -253,7 +259,8 @@ def test_on_policy_data_is_left_unchanged(offp, isc):
 def test_diagnostics_match_numpy():
   logp, behav, mask, adv = _arrays(seed=7, spread=0.5)
   jl, jb, ja = _j(np.where(mask, logp, 0.0), behav, adv)
-  corr = offpolicy.correct(jl, jb, mask, ja, offpolicy="m2po", is_correction="tis", m2po_tau=0.1)
+  cfg = OffPolicyConfig(method="m2po", is_correction="tis", m2po_tau=0.1)
+  corr = offpolicy.correct(jl, jb, mask, ja, cfg)
   got = {k: (float(s), float(c)) for k, (s, c) in offpolicy.diagnostics(jl, jb, mask, corr).items()}
   lr_full = np.where(mask, logp - behav, 0.0)
   lr = lr_full[mask]
@@ -288,6 +295,6 @@ def test_masked_quantile_matches_numpy():
 def test_unknown_names_list_the_valid_ones():
   args = _j(np.zeros((1, 2)), np.zeros((1, 2)), np.ones((1, 2)), np.zeros((1, 2)))
   with pytest.raises(ValueError, match=r"unknown off-policy correction 'x'; valid: \[.*'m2po'"):
-    offpolicy.correct(*args, offpolicy="x")
+    offpolicy.correct(*args, OffPolicyConfig(method="x"))
   with pytest.raises(ValueError, match=r"importance-sampling correction 'y'; valid: \[.*'tis'"):
-    offpolicy.correct(*args, is_correction="y")
+    offpolicy.correct(*args, OffPolicyConfig(is_correction="y"))

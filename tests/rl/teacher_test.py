@@ -9,7 +9,6 @@ import pytest
 from jaxrl.models.config import ModelConfig
 from jaxrl.models.transformer import make_model, token_logprobs
 from jaxrl.rl.distill import DistillBatch, teacher_scores
-from jaxrl.rl.train_step import init_state
 
 
 def _distill_config(workdir, rl=None, **distill):
@@ -25,7 +24,7 @@ def _distill_config(workdir, rl=None, **distill):
   c.rl.steps = 4
   c.rl.group_size = 1
   c.rl.prompts_per_step = 16
-  c.rl.learning_rate = 3e-3
+  c.rl.optim.learning_rate = 3e-3
   c.rl.update(rl or {})
   c.eval.every = 2
   c.eval.num_examples = 16
@@ -49,9 +48,9 @@ def test_loop_scores_with_the_teacher_and_distils_towards_it(tmp_path):
 
   trainer = Trainer(_distill_config(tmp_path, rl={"steps": 10}), log=lambda *_: None)
   trainer.run_sft()
-  trainer.state = init_state(trainer.sft_params, trainer.rl_opt)
-  it = iter(trainer.task.train_dataset(seed=0, batch_size=16))
-  batch, stats = trainer.rl_batch(0, next(it))
+  trainer.state = trainer.learner.init(trainer.sft_params)
+  it = iter(trainer.ctx.task.train_dataset(seed=0, batch_size=16))
+  batch, stats = trainer.experience.collect(0, trainer.state.policy.params, next(it))
   assert isinstance(batch, DistillBatch)
   teacher = trainer.teacher
   expect = np.asarray(token_logprobs(teacher.graphdef, teacher.params, batch.tokens, batch.valid))
@@ -80,9 +79,10 @@ def test_adaptive_window_probes_moves_and_resumes(tmp_path):
   full = Trainer(_distill_config(tmp_path / "full", **adwin), log=lambda *_: None)
   full.run()
   # The prefix mask of an update: at most `window` loss tokens per row, the first ones.
-  batch, _ = full.rl_batch(1, next(iter(full.task.train_dataset(seed=0, batch_size=16))))
+  records = next(iter(full.ctx.task.train_dataset(seed=0, batch_size=16)))
+  batch, _ = full.experience.collect(1, full.state.policy.params, records)
   # Step 1: no probe, the current window.
-  windowed, stats = full.teacher.window(1, full.state.params, batch, full._shard_batch)
+  windowed, stats = full.teacher.window(1, full.state.policy.params, batch, full.ctx.shard)
   window_now = full.teacher.controller.window
   full.close()
   full_mask, m = np.asarray(batch.loss_mask), np.asarray(windowed.loss_mask)

@@ -5,11 +5,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from jaxrl.config import KLConfig
 from jaxrl.mesh import get_rules, make_mesh, named_sharding, shard_params
 from jaxrl.models import ModelConfig
 from jaxrl.models.transformer import make_model
 from jaxrl.rl.batch import TrainBatch
-from jaxrl.rl.objectives import GRPOLoss
+from jaxrl.rl.objectives import PolicyLoss
 from jaxrl.rl.train_step import Optimizer, init_state, make_train_step
 from jaxrl.rollout.collect import left_pad
 from jaxrl.rollout.reference import make_sampler, row_keys
@@ -33,7 +34,7 @@ def _run(mesh, graphdef, params, batch):
   rules = get_rules("fsdp_tp")
   params = shard_params(jax.tree.map(jnp.copy, params), mesh, rules)
   opt = Optimizer(optax.sgd(0.5), lambda s: 0.5)  # update = -0.5 * grad: compares gradients
-  step = make_train_step(opt, GRPOLoss(graphdef, beta=0.1), num_microbatches=2)
+  step = make_train_step(opt, PolicyLoss(graphdef, kl=KLConfig(beta=0.1)), num_microbatches=2)
   batch = jax.device_put(batch, named_sharding(mesh, ("batch",), rules))
   state, metrics = step(init_state(params, opt), batch)
   state, metrics2 = step(state, batch)

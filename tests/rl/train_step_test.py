@@ -9,11 +9,12 @@ import optax
 import pytest
 from flax import nnx
 
+from jaxrl.config import KLConfig, PolicyLossConfig
 from jaxrl.models import ModelConfig, Transformer, make_model
 from jaxrl.models.lora import merge_lora, split_lora
 from jaxrl.models.transformer import apply, positions_from_mask, token_logprobs
 from jaxrl.rl.batch import TrainBatch, compact_rows, gradient_rows
-from jaxrl.rl.objectives import GRPOLoss
+from jaxrl.rl.objectives import PolicyLoss
 from jaxrl.rl.train_step import Optimizer, init_state, make_optimizer, make_train_step
 
 # One layer keeps every component (attention, MLP, norms, head) and halves the compile time.
@@ -39,7 +40,9 @@ def model():
 
 @pytest.fixture(scope="module")
 def loss(model):
-  return GRPOLoss(model[0], beta=0.1, eps_low=0.2, eps_high=0.28)
+  return PolicyLoss(
+    model[0], loss=PolicyLossConfig(eps_low=0.2, eps_high=0.28), kl=KLConfig(beta=0.1)
+  )
 
 
 @pytest.fixture(scope="module")
@@ -145,7 +148,9 @@ def test_training_only_rows_with_advantage_gives_the_same_update(model, policy_l
   np.testing.assert_array_equal(keep, ~dead)
   small = compact_rows(batch, keep, multiple=2)
   assert small.size == 4  # 3 live rows, padded to a power of two
-  loss = GRPOLoss(graphdef, policy_loss=policy_loss, aggregation=aggregation, eps_high=0.28)
+  loss = PolicyLoss(
+    graphdef, loss=PolicyLossConfig(name=policy_loss, aggregation=aggregation, eps_high=0.28)
+  )
   step = make_train_step(SGD, loss)
   s_full, m_full = step(fresh_state(params), batch)
   s_small, m_small = step(fresh_state(params), small, loss.denominator(batch))

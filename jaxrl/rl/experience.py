@@ -1,0 +1,271 @@
+"""The rollout stage of an RL step: sample -> score -> filter -> shape -> batch.
+
+`Experience.collect(step, params, records)` samples G completions of each prompt with the
+learner's own params (through the continuous-batching engine), scores them with the task
+reward, drops uninformative groups (DAPO's dynamic sampling), shapes the rewards (overlong
+penalty and masking, the KL penalty folded into the reward) and builds the `TrainBatch` once:
+the host arrays go to the mesh in one `device_put`, and the reference log-probs, the critic's
+values and the advantages are computed there. Its metrics cover every sampling round of the
+step; those computed on the device stay there until the loop fetches a step's metrics at once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxrl.models.transformer import token_logprobs
+from jaxrl.quant import Quantizer
+from jaxrl.rl.advantages import ESTIMATORS
+from jaxrl.rl.allocation import fill_groups, informative_groups
+from jaxrl.rl.batch import TrainBatch
+from jaxrl.rl.kl import kl_estimate, kl_in_reward
+from jaxrl.rl.run import Run
+from jaxrl.rl.shaping import overlong_penalty, truncation_keep
+from jaxrl.rl.value import terminal_rewards
+from jaxrl.rollout.collect import GroupSampler
+from jaxrl.rollout.sampling import SamplingParams
+from jaxrl.rollout.types import Rollout
+
+
+def build_sampler(run: Run) -> GroupSampler:
+  """The one rollout path, for RL rounds and evaluation alike: the engine (paged KV, a group
+  prefilled once, every EOS id a stop). By default every sample of a step and every held-out
+  prompt gets a slot."""
+  cfg, rl = run.cfg, run.cfg.rl
+  ro = rl.rollout
+  return GroupSampler(
+    run.model_cfg,
+    run.graphdef,
+    prompt_len=rl.max_prompt_len,
+    max_new_tokens=rl.max_new_tokens,
+    eos_ids=run.tokenizer.eos_ids,
+    pad_id=run.tokenizer.pad_id,
+    sampling=SamplingParams(rl.sampling.temperature, rl.sampling.top_k, rl.sampling.top_p),
+    max_concurrent_decodes=ro.slots
+    or max(rl.prompts_per_step * rl.group_size, cfg.eval.num_examples),
+    num_pages=ro.num_pages or None,
+    page_size=ro.page_size,
+    steps_per_call=ro.steps_per_call,
+    batching=ro.batching,
+    tokenizer=run.tokenizer,
+    mesh=run.mesh,
+    rules=run.rules,
+  )
+
+
+def concat_rows(parts: list, rows: np.ndarray):
+  """Rows `rows` of the row-wise concatenation of same-structured host pytrees."""
+  return jax.tree.map(lambda *xs: np.concatenate(xs)[rows], *parts)
+
+
+def select_groups(rewards: list[np.ndarray], group_size: int, num_prompts: int):
+  """Dynamic sampling's filter over the rounds' task rewards: (rows into the concatenated rounds,
+  row weights [rows], stats). The first `num_prompts` informative groups (rewards not all tied)
+  are kept; if there are fewer, the earliest dropped groups fill the batch at zero weight."""
+  informative = np.concatenate([informative_groups(r.reshape(-1, group_size)) for r in rewards])
+  idx, filler = fill_groups(informative, num_prompts)
+  rows = (idx[:, None] * group_size + np.arange(group_size)).reshape(-1)
+  weight = np.repeat(~filler, group_size).astype(np.float32)
+  stats = {
+    "rl/sampling_rounds": float(len(rewards)),
+    "rl/dropped_groups": float(informative.size - informative.sum()),
+    "rl/filler_groups": float(filler.sum()),
+  }
+  return rows, weight, stats
+
+
+def shape_rewards(rewards: np.ndarray, rollout: Rollout, rl) -> tuple[np.ndarray, np.ndarray, dict]:
+  """(shaped rewards [B], row weights [B], stats): DAPO's overlong penalty on the reward, and
+  with rl.overlong.mask_truncated zero weight for completions cut by the length budget."""
+  shaped, weight, stats = rewards, np.ones(rewards.shape, np.float32), {}
+  if rl.overlong.buffer > 0:
+    penalty = overlong_penalty(
+      rollout.lengths,
+      max_len=rl.max_new_tokens,
+      buffer=rl.overlong.buffer,
+      penalty=rl.overlong.penalty,
+    )
+    shaped = rewards + penalty
+    stats["rl/overlong_penalty"] = float(penalty.mean())
+  if rl.overlong.mask_truncated:
+    weight = weight * truncation_keep(rollout.truncated)
+  return shaped, weight, stats
+
+
+def host_batch(rollout: Rollout, row_weight: np.ndarray) -> dict[str, np.ndarray]:
+  """The TrainBatch's token columns from a host Rollout, before anything is placed on a device:
+  tokens, valid, the completion mask (unweighted, `mask`) and weighted (`loss_mask`), the
+  behaviour log-probs and per-token versions. Column j refers to predicting tokens[:, j]."""
+  b, p = rollout.prompt_tokens.shape
+  mask = np.concatenate([np.zeros((b, p), bool), rollout.mask], axis=1).astype(np.float32)
+  versions = np.concatenate([np.full((b, p), -1, np.int32), rollout.versions], axis=1)
+  return {
+    "tokens": np.concatenate([rollout.prompt_tokens, rollout.tokens], axis=1).astype(np.int32),
+    "valid": np.concatenate([rollout.prompt_mask, rollout.mask], axis=1),
+    "mask": mask,
+    "loss_mask": mask * row_weight[:, None],
+    "old_logprobs": np.concatenate([np.zeros((b, p), np.float32), rollout.logprobs], axis=1),
+    "versions": np.where(mask > 0, versions, -1).astype(np.int32),
+  }
+
+
+class Experience:
+  """The rollout stage: the sampler reading the learner's params, the scorer, the filters and
+  shaping, and where the advantages come from (the group estimator, the critic, or the
+  distillation teacher's scores)."""
+
+  def __init__(self, run: Run, sampler: GroupSampler, *, critic=None, teacher=None):
+    self.run, self.sampler = run, sampler
+    self.critic, self.teacher = critic, teacher
+    rl = run.cfg.rl
+    self.advantage_fn = None if critic is not None else ESTIMATORS.get(rl.advantage)
+    # Quantize-on-sync: int8 copies of the projection weights, made once per step and shared by
+    # every round; every other leaf is the learner's own array, as without quantization.
+    self.quantize = Quantizer(rl.rollout.quantize) if rl.rollout.quantize != "none" else None
+    self._sampler_params = None  # (step, params the sampler reads at that step)
+    graphdef, temperature = run.graphdef, sampler.sampling.logprob_temperature
+    self.logprobs_fn = jax.jit(
+      lambda p, t, v: token_logprobs(graphdef, p, t, v, temperature=temperature)
+    )
+
+  def sampler_params(self, step: int, params):
+    """What the sampler reads at `step`: the learner's own param pytree (no copy, no sync), or
+    with rl.rollout.quantize its quantized copy."""
+    if self.quantize is None:
+      return params
+    if self._sampler_params is None or self._sampler_params[0] != step:
+      self._sampler_params = (step, self.quantize(params))
+    return self._sampler_params[1]
+
+  def sample(self, step: int, rnd: int, params, records) -> tuple[Rollout, np.ndarray, int, dict]:
+    """One round: G completions of each record's prompt, scored. Returns (host Rollout, task
+    rewards [B], reward-function errors, engine counters)."""
+    run, g = self.run, self.run.cfg.rl.group_size
+    rollout, engine = self.sampler(
+      self.sampler_params(step, params),
+      run.encode(records),
+      group_size=g,
+      seed=run.seed(step, rnd),
+      version=step,
+    )
+    texts = run.completions(rollout.tokens, rollout.lengths)
+    r, n_err = run.score(texts, [rec for rec in records for _ in range(g)])
+    return rollout, r, n_err, engine
+
+  def collect(
+    self,
+    step: int,
+    params,
+    records,
+    next_records: Callable | None = None,
+    *,
+    ref_params=None,
+    critic_params=None,
+  ) -> tuple[TrainBatch, dict]:
+    """Roll out one step's batch with `params` and turn it into a TrainBatch on the mesh.
+
+    With rl.dynamic_sampling (DAPO) groups whose task rewards all tie are dropped and rounds of
+    fresh prompts (next_records() gives the next prompt batch) are sampled until
+    prompts_per_step informative groups exist, for at most max_rounds rounds in all; short of
+    that the batch is filled with the earliest dropped groups at zero loss weight
+    (allocation.fill_groups), so shapes stay fixed. The filter reads the task reward, before
+    overlong shaping (whose length term would make nearly every group look informative).
+    `ref_params` (for rl.kl.beta > 0) and `critic_params` (for a critic) are read on the device.
+    Returns (batch, metrics): floats for what was computed on the host, device scalars else.
+    """
+    rl = self.run.cfg.rl
+    g, ds = rl.group_size, rl.dynamic_sampling
+    rounds = [self.sample(step, 0, params, records)]
+    row_weight = np.ones(rounds[0][1].shape, np.float32)
+    stats = {}
+    if ds.enabled:
+      while True:
+        rows, row_weight, stats = select_groups([x[1] for x in rounds], g, rl.prompts_per_step)
+        if row_weight.sum() == rows.size or len(rounds) >= ds.max_rounds:
+          break
+        if next_records is None:
+          raise ValueError("rl.dynamic_sampling needs next_records to draw more prompts")
+        rounds.append(self.sample(step, len(rounds), params, next_records()))
+      rollout = concat_rows([x[0] for x in rounds], rows)
+      r = np.concatenate([x[1] for x in rounds])[rows]
+    else:
+      rollout, r = rounds[0][0], rounds[0][1]
+    shaped, weight, shape_stats = shape_rewards(r, rollout, rl)
+    stats.update(shape_stats)
+    host = host_batch(rollout, row_weight * weight)
+    batch, adv_stats = self.advantages(step, host, shaped, ref_params, critic_params)
+    engine = {}
+    for _, _, _, e in rounds:  # counters summed over the step's rounds
+      for k, v in e.items():
+        engine[k] = engine.get(k, 0.0) + float(v)
+    stats = {
+      "rl/reward_mean": float(r.mean()),
+      "rl/reward_std": float(r.std()),
+      "rl/reward_errors": float(sum(x[2] for x in rounds)),
+      **adv_stats,
+      "rl/response_length": float(rollout.lengths.mean()),
+      "rl/truncated_frac": float(rollout.truncated.mean()),
+      **stats,
+      **{f"rollout/{k}": v for k, v in engine.items()},
+    }
+    return batch, stats
+
+  def advantages(self, step: int, host: dict, shaped: np.ndarray, ref_params, critic_params):
+    """(TrainBatch on the mesh, stats): one transfer of the host columns, then the reference
+    log-probs, the KL folded into the reward, and the advantages of the configured source."""
+    rl, run = self.run.cfg.rl, self.run
+    dev = run.shard(host)
+    batch = TrainBatch(
+      dev["tokens"],
+      dev["valid"],
+      dev["loss_mask"],
+      jnp.zeros_like(dev["loss_mask"]),
+      dev["old_logprobs"],
+      jnp.zeros_like(dev["old_logprobs"]),
+      dev["versions"],
+    )
+    stats = {}
+    if rl.kl.beta > 0:
+      ref = self.logprobs_fn(ref_params, batch.tokens, batch.valid) * dev["mask"]
+      batch = batch._replace(ref_logprobs=ref)
+    token_rewards = None
+    if rl.kl.beta > 0 and rl.kl.in_reward:
+      # The penalty reads the behaviour log-probs, so it is a reward: fixed for the whole update.
+      mask = batch.loss_mask
+      kl = kl_estimate(batch.old_logprobs, batch.ref_logprobs, rl.kl.estimator) * mask
+      stats["rl/kl_in_reward"] = jnp.sum(kl) / jnp.maximum(jnp.sum(mask), 1)
+      token_rewards = kl_in_reward(
+        terminal_rewards(jnp.asarray(shaped, jnp.float32), mask),
+        batch.old_logprobs,
+        batch.ref_logprobs,
+        rl.kl.beta,
+        rl.kl.estimator,
+        mask,
+      )
+    if self.teacher is not None:
+      # The teacher's scores replace rewards (still computed, as a metric).
+      out, teacher_stats = self.teacher.score(batch, (batch.tokens, batch.valid))
+      return out, {**stats, **teacher_stats}
+    if self.critic is not None:
+      # PPO: the task reward on each completion's last token (minus beta * KL per token with
+      # rl.kl.in_reward), the critic's values of the rollout, GAE.
+      if token_rewards is None:
+        token_rewards = terminal_rewards(jnp.asarray(shaped, jnp.float32), batch.loss_mask)
+      out, critic_stats = self.critic.advantages(critic_params, batch, token_rewards)
+      return out, {**stats, **critic_stats}
+    seq = shaped if token_rewards is None else jnp.sum(token_rewards, axis=1)
+    grouped = jax.device_put(np.asarray(seq, np.float32)) if token_rewards is None else seq
+    grouped = grouped.reshape(-1, rl.group_size)
+    adv = self.advantage_fn(grouped, scale_by_std=rl.scale_by_std).reshape(-1)
+    batch = batch._replace(advantages=adv[:, None] * batch.loss_mask)
+    stats.update({"rl/adv_mean": jnp.mean(adv), "rl/adv_std": jnp.std(adv)})
+    if rl.group_size > 1 and token_rewards is None:
+      tied = shaped.reshape(-1, rl.group_size)
+      stats["rl/zero_adv_groups"] = float(np.mean(np.all(tied == tied[:, :1], axis=1)))
+    elif rl.group_size > 1:
+      stats["rl/zero_adv_groups"] = jnp.mean(jnp.all(grouped == grouped[:, :1], axis=1))
+    return batch, stats

@@ -1,0 +1,157 @@
+"""A run's fixed parts, built once from the config, and the params-only restore.
+
+`Run.build(cfg)` makes what every stage of a run reads and nothing that trains or samples:
+the mesh and its rules, the tokenizer and prompt encoder, the model (config, graphdef, params
+on the mesh), the task, the reward function and the held-out set. The sampler, the learner and
+the SFT phase are built from a `Run`; export and evaluation need only a `Run` and
+`restore_params`, which reads the params out of a checkpoint without building an optimizer,
+an engine or a teacher.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+
+from jaxrl import rewards
+from jaxrl.checkpoint import Checkpointer
+from jaxrl.config import Config, ConfigError
+from jaxrl.mesh import Rules, get_rules, make_mesh, named_sharding
+from jaxrl.models.config import ModelConfig
+from jaxrl.rl import components
+from jaxrl.rollout.collect import left_pad
+
+PHASES = ("sft", "rl")
+
+
+@dataclasses.dataclass
+class Run:
+  """Everything fixed for the life of a run; `build` checks the config against the model."""
+
+  cfg: Config
+  workdir: Path
+  tokenizer: Any
+  encode_prompt: components.PromptEncoder
+  mesh: jax.sharding.Mesh
+  rules: Rules
+  model_cfg: ModelConfig
+  graphdef: Any
+  init_params: Any  # the initial params on the mesh (preset draw, or the HF checkpoint)
+  task: Any
+  reward_fn: Callable
+  held_out: list[dict]
+  batch_sharding: jax.sharding.NamedSharding  # rows over the mesh's batch axes
+
+  @classmethod
+  def build(cls, cfg: Config) -> Run:
+    tok = components.build_tokenizer(cfg.model)
+    mesh = make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor)
+    rules = get_rules(cfg.mesh.rules)
+    model_cfg, graphdef, params = components.build_model(cfg.model, tok, mesh, rules, seed=cfg.seed)
+    rl = cfg.rl
+    if rl.max_prompt_len + rl.max_new_tokens > model_cfg.max_seq_len:
+      raise ConfigError(
+        f"config.rl.max_prompt_len + config.rl.max_new_tokens = {rl.max_prompt_len} + "
+        f"{rl.max_new_tokens} exceeds the model's max_seq_len={model_cfg.max_seq_len}"
+      )
+    workdir = Path(cfg.workdir)
+    task = components.build_task(cfg.task, workdir, seed=cfg.seed)
+    return cls(
+      cfg=cfg,
+      workdir=workdir,
+      tokenizer=tok,
+      encode_prompt=components.PromptEncoder(cfg.task, tok),
+      mesh=mesh,
+      rules=rules,
+      model_cfg=model_cfg,
+      graphdef=graphdef,
+      init_params=params,
+      task=task,
+      reward_fn=rewards.get(cfg.reward.name),
+      held_out=task.held_out(cfg.eval.num_examples, seed=cfg.seed),
+      batch_sharding=named_sharding(mesh, ("batch",), rules),
+    )
+
+  # ------------------------------------------------------------------------- prompts and text
+
+  def encode(self, records) -> list[list[int]]:
+    """Prompt token ids of each record; a prompt longer than rl.max_prompt_len is an error."""
+    limit = self.cfg.rl.max_prompt_len
+    seqs = []
+    for r in records:
+      ids = self.encode_prompt(r)
+      if len(ids) > limit:
+        raise ValueError(
+          f"prompt {r['prompt']!r} has {len(ids)} tokens, more than "
+          f"config.rl.max_prompt_len={limit}"
+        )
+      seqs.append(ids)
+    return seqs
+
+  def prompts(self, records) -> tuple[np.ndarray, np.ndarray]:
+    """(tokens, mask) [B, rl.max_prompt_len], left-padded."""
+    return left_pad(self.encode(records), self.cfg.rl.max_prompt_len, self.tokenizer.pad_id)
+
+  def completions(self, tokens, lengths) -> list[str]:
+    return [self.tokenizer.decode(t[:n]) for t, n in zip(tokens, lengths, strict=True)]
+
+  def score(self, texts: list[str], records) -> tuple[np.ndarray, int]:
+    """(rewards [B], number of reward-function errors) of completions against their records."""
+    on_error = self.cfg.reward.on_error
+    return rewards.compute_rewards(self.reward_fn, texts, records, on_error=on_error)
+
+  # ---------------------------------------------------------------------------- placement, seeds
+
+  def seed(self, *parts: int) -> int:
+    """An engine run seed (its request keys fold in request ids) derived from the run seed."""
+    return int(np.random.SeedSequence([self.cfg.seed, *parts]).generate_state(1)[0] >> 1)
+
+  def shard(self, tree):
+    """Place a batch pytree (host or device arrays) with its rows over the batch axes."""
+    return jax.device_put(tree, self.batch_sharding)
+
+  def checkpointer(self, phase: str) -> Checkpointer:
+    ck = self.cfg.checkpoint
+    return Checkpointer(
+      self.workdir / "checkpoints" / phase, max_to_keep=ck.max_to_keep, save_every=ck.every
+    )
+
+
+def abstract(tree):
+  """ShapeDtypeStructs with each array's sharding: a restore target laid out like `tree`."""
+  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
+
+
+def restore_params(run: Run, phase: str = "latest") -> tuple[str, int, Any]:
+  """(phase, step, params) of the newest checkpoint of `phase`: 'rl', 'sft' or 'latest' (RL if
+  the run has any, else SFT), read into the run's param shardings.
+
+  Only the params are read (the checkpoint's optimizer state, critic and RNG stay on disk), so
+  export and evaluation build no optimizer, engine or teacher.
+  """
+  if phase not in (*PHASES, "latest"):
+    raise ValueError(f"phase={phase!r} is invalid; allowed: 'rl', 'sft', 'latest'")
+  directory = run.workdir / "checkpoints"
+  steps = {}
+  for name in PHASES:
+    # Only look: a Checkpointer would create the directory of a phase that never ran.
+    if (directory / name).is_dir():
+      with run.checkpointer(name) as ck:
+        steps[name] = ck.latest_step()
+    else:
+      steps[name] = None
+  if phase == "latest":
+    phase = "rl" if steps["rl"] is not None else "sft"
+  if steps[phase] is None:
+    found = ", ".join(f"{name} (step {s})" for name, s in steps.items() if s is not None)
+    raise FileNotFoundError(
+      f"no {phase} checkpoint in {directory}; checkpointed phases: {found or 'none'}"
+    )
+  with run.checkpointer(phase) as ck:
+    restored = ck.restore_subtree(steps[phase], {"train": {"params": abstract(run.init_params)}})
+  return phase, steps[phase], restored["train"]["params"]

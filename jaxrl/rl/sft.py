@@ -1,0 +1,105 @@
+"""The supervised warm-start phase: the task's demonstrations, its own optimizer and checkpoints.
+
+Checkpointed every `checkpoint.every` steps with optimizer and data-iterator state, so an
+interrupted warm-start resumes where it stopped; its final params seed RL (and its reference).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+
+from jaxrl.metrics import MetricsWriter, Progress
+from jaxrl.rl import batch as batch_lib
+from jaxrl.rl.objectives import SFTLoss
+from jaxrl.rl.run import Run, abstract
+from jaxrl.rl.train_step import init_state, make_optimizer, make_train_step
+
+
+class SFTPhase:
+  """`phase.run(summary, until) -> params | None` (None: stopped early at `until`)."""
+
+  def __init__(self, run: Run, *, evaluate: Callable, metrics: MetricsWriter, log=print):
+    cfg = run.cfg.sft
+    self.run, self.evaluate, self.metrics, self.log = run, evaluate, metrics, log
+    self.optimizer = make_optimizer(
+      learning_rate=cfg.learning_rate,
+      warmup_steps=cfg.warmup_steps,
+      total_steps=cfg.steps,
+      weight_decay=cfg.weight_decay,
+      b2=cfg.b2,
+      grad_clip=cfg.grad_clip,
+      schedule="cosine",
+    )
+    self.trainable = "lora" if run.model_cfg.lora_rank else None
+    self.step_fn = make_train_step(
+      self.optimizer,
+      SFTLoss(run.graphdef),
+      num_microbatches=cfg.num_microbatches,
+      trainable=self.trainable,
+    )
+    self.ckpt = run.checkpointer("sft")
+    # The warm-start has the task's own data mix; RL prompts and the held-out set follow `task`.
+    self.task = run.task.sft_task(cfg)
+
+  def batch(self, records) -> batch_lib.TrainBatch:
+    """A supervised batch on the host: the prompts, then each record's demonstration + EOS."""
+    run = self.run
+    toks, mask = run.prompts(records)
+    eos = run.tokenizer.eos_id
+    comps = [run.tokenizer.encode(self.task.sft_completion(r)) + [eos] for r in records]
+    return batch_lib.supervised(
+      toks, mask, comps, max_new_tokens=run.cfg.rl.max_new_tokens, pad_id=run.tokenizer.pad_id
+    )
+
+  def run_phase(self, summary: dict, until: int | None = None):
+    """Run or resume the warm-start; `until` stops (and checkpoints) after that many steps
+    without finishing the phase, as a preemption would. Updates `summary` in place."""
+    run, cfg = self.run, self.run.cfg.sft
+    latest = self.ckpt.latest_step() if run.cfg.resume else None
+    if latest is None:
+      summary["accuracy_init"] = self.evaluate(run.init_params)["eval/accuracy"]
+    state = init_state(run.init_params, self.optimizer, trainable=self.trainable)
+    it = iter(self.task.train_dataset(seed=run.cfg.seed + 1, batch_size=cfg.batch_size))
+    start = 0
+    if latest is not None:
+      restored, meta = self.ckpt.restore(latest, {"train": abstract(state)})
+      state, start = restored["train"], latest
+      summary.update(meta.get("summary", {}))
+      if latest >= cfg.steps:
+        self.log(f"[jaxrl] SFT warm-start restored from {self.ckpt.directory}/{latest}")
+        return state.params
+      it.set_state(meta["data"])
+      self.metrics.truncate_after("sft", start + 1)
+      self.log(f"[jaxrl] resumed SFT from step {start} in {self.ckpt.directory}")
+    stop = cfg.steps if until is None else min(until, cfg.steps)
+    progress = Progress(total=cfg.steps, desc="sft", enabled=run.cfg.log.progress, initial=start)
+    for step in range(start + 1, stop + 1):
+      state, m = self.step_fn(state, run.shard(self.batch(next(it))))
+      if step % 10 == 0 or step == cfg.steps:
+        m = {k: float(v) for k, v in jax.device_get(m).items()}
+        self.metrics.write(step, {**m, "global_step": step}, phase="sft")
+        progress.update(1, loss=m["sft/loss"])
+      else:
+        progress.update(1)
+      if step < cfg.steps:
+        meta = {"data": it.get_state(), "phase": "sft", "summary": dict(summary)}
+        self.ckpt.save(step, {"train": state}, meta, force=step == stop)
+    progress.close()
+    if stop < cfg.steps:
+      self.ckpt.wait()
+      return None
+    ev = self.evaluate(state.params)
+    summary["accuracy_after_sft"] = ev["eval/accuracy"]
+    if "eval/sampled_accuracy" in ev:
+      summary["sampled_accuracy_after_sft"] = ev["eval/sampled_accuracy"]
+    self.metrics.write(cfg.steps, {**ev, "global_step": cfg.steps}, phase="sft")
+    meta = {"data": it.get_state(), "phase": "sft", "summary": dict(summary)}
+    self.ckpt.save(cfg.steps, {"train": state}, meta, force=True)
+    self.ckpt.wait()
+    self.log(
+      f"[jaxrl] held-out accuracy: {summary['accuracy_init']:.3f} at init -> "
+      f"{summary['accuracy_after_sft']:.3f} after {cfg.steps} SFT steps"
+    )
+    return state.params

@@ -1,0 +1,121 @@
+"""The learner's update moves nothing between host and device implicitly, and export restores
+params without an optimizer, an engine or a teacher."""
+
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+
+import configs.grpo_arith as grpo_arith
+from jaxrl.config import validate
+from jaxrl.rl.loop import Trainer
+
+
+def _config(workdir, **rl):
+  c = grpo_arith.get_config("smoke")
+  c.workdir = str(workdir)
+  c.log.progress = False
+  c.log.tensorboard = False
+  c.model.preset = "tiny"
+  c.sft.steps = 2
+  c.rl.steps = 2
+  c.rl.prompts_per_step = 4
+  c.rl.group_size = 4
+  c.eval.every = 0
+  c.eval.num_examples = 8
+  c.eval.num_samples = 0
+  c.rl.update(rl)
+  return validate(c)
+
+
+@pytest.mark.parametrize(
+  "rl",
+  [
+    {},  # the default: zero-advantage rows left out of the step (a shape decided on the host)
+    {
+      "num_minibatches": 2,
+      "ppo_epochs": 2,
+      "offpolicy": {"method": "decoupled", "is_correction": "tis"},
+    },
+    {"advantage": "gae", "group_size": 1, "prompts_per_step": 16, "critic": {"warmup_steps": 0}},
+  ],
+  ids=["skip_rows", "minibatches_prox_tis", "critic"],
+)
+def test_update_runs_under_a_disallowing_transfer_guard(tmp_path, rl):
+  """The hot path of an RL step (epochs, mini-batches, pi_prox, row compaction, the critic's and
+  the policy's steps) runs with implicit host<->device transfers disallowed: every array it
+  touches is already on the device, and what it must read on the host it fetches explicitly."""
+  trainer = Trainer(_config(tmp_path, **rl), log=lambda *_: None)
+  try:
+    state = trainer.learner.init(trainer.ctx.init_params)
+    records = next(
+      iter(trainer.ctx.task.train_dataset(seed=0, batch_size=trainer.cfg.rl.prompts_per_step))
+    )
+    critic = None if state.critic is None else state.critic.params
+    batch, _ = trainer.experience.collect(0, state.policy.params, records, critic_params=critic)
+    before = int(state.policy.step)
+    for step in range(2):  # the second time with every program compiled
+      with jax.transfer_guard("disallow"):
+        state, metrics = trainer.learner.update(state, batch, step)
+    metrics = jax.device_get(metrics)  # the loop's one fetch of a step's metrics
+    assert int(state.policy.step) == before + 2 * trainer.learner.updates_per_step
+    assert all(np.isfinite(v) for v in metrics.values()), metrics
+  finally:
+    trainer.close()
+
+
+def test_export_builds_no_optimizer_engine_or_teacher(tmp_path, monkeypatch):
+  """A params-only restore: exporting a run's checkpoint constructs none of the training or
+  sampling machinery (each constructor raises if called)."""
+  import optax
+
+  from jaxrl.models.hf import load_hf_checkpoint
+  from jaxrl.rl import teacher
+  from jaxrl.rollout import engine
+  from launch.export import export
+
+  cfg = _config(tmp_path / "run")
+  trainer = Trainer(cfg, log=lambda *_: None)
+  trainer.run()
+  final = jax.device_get(trainer.state.policy.params)
+  trainer.close()
+
+  def forbidden(*_, **__):
+    raise AssertionError("export must not build this")
+
+  monkeypatch.setattr(optax, "adamw", forbidden)
+  monkeypatch.setattr(engine.Engine, "__init__", forbidden)
+  monkeypatch.setattr(teacher.Teacher, "__init__", forbidden)
+  c = grpo_arith.get_config("smoke")
+  c.workdir, c.model.preset = str(tmp_path / "run"), "tiny"
+  c.sft.steps, c.rl.steps = cfg.sft.steps, cfg.rl.steps
+  line = export(c, tmp_path / "out")
+  assert "exported rl step 2" in line
+  _, _, params = load_hf_checkpoint(tmp_path / "out")
+  for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(final), strict=True):
+    np.testing.assert_array_equal(np.asarray(a), b)
+
+
+def test_rl_metrics_sum_engine_counters_over_dynamic_sampling_rounds(tmp_path):
+  """rollout/* counters cover every sampling round of a step, not the last one only."""
+  from jaxrl import rewards
+
+  @rewards.register("constant_for_rounds_test")
+  def constant(completion, record):
+    return 1.0
+
+  cfg = _config(tmp_path, dynamic_sampling={"enabled": True, "max_rounds": 3})
+  cfg = dataclasses.replace(
+    cfg, reward=dataclasses.replace(cfg.reward, name="constant_for_rounds_test")
+  )
+  trainer = Trainer(cfg, log=lambda *_: None)
+  try:
+    state = trainer.learner.init(trainer.ctx.init_params)
+    it = iter(trainer.ctx.task.train_dataset(seed=0, batch_size=4))
+    _, stats = trainer.experience.collect(0, state.policy.params, next(it), lambda: next(it))
+    assert stats["rl/sampling_rounds"] == 3.0  # every group ties: the cap is reached
+    # One prefill per group in each of the 3 rounds.
+    assert stats["rollout/prefill_prompts"] == 3 * cfg.rl.prompts_per_step
+  finally:
+    trainer.close()
