@@ -41,47 +41,6 @@ class SamplingParams:
     return self.temperature if self.temperature > 0 else 1.0
 
 
-def filter_logits(logits: jax.Array, top_k: int, top_p: float, min_p: float = 0.0) -> jax.Array:
-  """Mask logits [B, V] outside the top-k set, the top-p nucleus and the min-p set to -inf.
-
-  Top-p runs on the renormalised top-k set; min-p compares against the top token, which the other
-  filters never remove, so its order does not matter.
-  """
-  if top_k and top_k < logits.shape[-1]:
-    kth = jax.lax.top_k(logits, top_k)[0][..., -1:]
-    logits = jnp.where(logits < kth, _NEG_INF, logits)
-  if top_p < 1.0:
-    sorted_logits = jnp.sort(logits, axis=-1)[..., ::-1]
-    probs = jax.nn.softmax(sorted_logits, axis=-1)
-    # Keep a token if the mass strictly before it is < top_p: the smallest set reaching top_p.
-    before = jnp.cumsum(probs, axis=-1) - probs
-    cutoff = jnp.min(jnp.where(before < top_p, sorted_logits, jnp.inf), axis=-1, keepdims=True)
-    logits = jnp.where(logits < cutoff, _NEG_INF, logits)
-  if min_p > 0.0:
-    floor = jnp.max(logits, axis=-1, keepdims=True) + jnp.log(jnp.float32(min_p))
-    logits = jnp.where(logits < floor, _NEG_INF, logits)
-  return logits
-
-
-def sample_tokens(logits: jax.Array, keys: jax.Array, params: SamplingParams):
-  """Draw one token per row. logits: [B, V] float32; keys: [B] typed PRNG keys.
-
-  Returns (tokens [B] int32, logprobs [B] float32). The log-prob is that of the drawn token under
-  the full tempered distribution softmax(logits / T) — the distribution the learner scores —
-  not under the top-k/top-p/min-p truncation (the same convention as verl/TRL).
-  """
-  logits = logits.astype(jnp.float32)
-  scaled = logits / params.logprob_temperature
-  logp_all = jax.nn.log_softmax(scaled, axis=-1)
-  if params.temperature == 0:
-    tokens = jnp.argmax(logits, axis=-1)
-  else:
-    filtered = filter_logits(scaled, params.top_k, params.top_p, params.min_p)
-    tokens = jax.vmap(jax.random.categorical)(keys, filtered)
-  tokens = tokens.astype(jnp.int32)
-  return tokens, jnp.take_along_axis(logp_all, tokens[:, None], axis=-1)[:, 0]
-
-
 class RowSampling(NamedTuple):
   """Per-row sampling parameters as arrays, so one compiled step serves any mix of requests."""
 
@@ -100,12 +59,19 @@ class RowSampling(NamedTuple):
       np.asarray([p.min_p for p in params], np.float32),
     )
 
+  @classmethod
+  def broadcast(cls, params: SamplingParams, batch: int) -> RowSampling:
+    """Host-side: the same SamplingParams on each of `batch` rows."""
+    return cls.stack([params] * batch)
+
 
 def filter_logits_rows(logits: jax.Array, rows: RowSampling) -> jax.Array:
-  """`filter_logits` with each row's own top_k, top_p, min_p ([B] arrays); one sort for all.
+  """Mask logits [B, V] outside each row's top-k set, top-p nucleus and min-p set to -inf.
 
-  Masking by a value threshold commutes with sorting, so the sorted top-k-masked logits are the
-  sorted logits masked the same way: one descending sort serves top-k, top-p and min-p.
+  Top-p runs on the renormalised top-k set; min-p compares against the top token, which the other
+  filters never remove, so its order does not matter. Each row has its own top_k, top_p, min_p
+  ([B] arrays). Masking by a value threshold commutes with sorting, so the sorted top-k-masked
+  logits are the sorted logits masked the same way: one descending sort serves all three.
   """
   v = logits.shape[-1]
   sorted_logits = jnp.sort(logits, axis=-1)[..., ::-1]  # [B, V] descending
@@ -124,10 +90,12 @@ def filter_logits_rows(logits: jax.Array, rows: RowSampling) -> jax.Array:
 
 
 def sample_rows(logits: jax.Array, keys: jax.Array, rows: RowSampling):
-  """`sample_tokens` with per-row parameters: rows with temperature 0 take the argmax.
+  """Draw one token per row with the row's own parameters; rows with temperature 0 take the argmax.
 
-  logits: [B, V]; keys: [B] typed PRNG keys. Returns (tokens [B] int32, logprobs [B] float32),
-  the log-prob under the row's full tempered distribution (temperature 1 for greedy rows).
+  logits: [B, V]; keys: [B] typed PRNG keys. Returns (tokens [B] int32, logprobs [B] float32).
+  The log-prob is that of the drawn token under the row's full tempered distribution
+  softmax(logits / T) (T = 1 for greedy rows) — the distribution the learner scores — not under
+  the top-k/top-p/min-p truncation (the same convention as verl/TRL).
   """
   logits = logits.astype(jnp.float32)
   greedy = rows.temperature <= 0
@@ -152,3 +120,14 @@ def sample_rows(logits: jax.Array, keys: jax.Array, rows: RowSampling):
   )
   tokens = jnp.where(greedy, jnp.argmax(logits, axis=-1), drawn).astype(jnp.int32)
   return tokens, jnp.take_along_axis(logp_all, tokens[:, None], axis=-1)[:, 0]
+
+
+def filter_logits(logits: jax.Array, top_k: int, top_p: float, min_p: float = 0.0) -> jax.Array:
+  """`filter_logits_rows` with the same top_k, top_p, min_p on every row of logits [B, V]."""
+  rows = RowSampling.broadcast(SamplingParams(1.0, top_k, top_p, min_p), logits.shape[0])
+  return filter_logits_rows(logits, rows)
+
+
+def sample_tokens(logits: jax.Array, keys: jax.Array, params: SamplingParams):
+  """`sample_rows` with the same SamplingParams on every row of logits [B, V]."""
+  return sample_rows(logits, keys, RowSampling.broadcast(params, logits.shape[0]))
