@@ -249,7 +249,7 @@ def test_docs_configs_md_is_the_generated_reference_of_every_field():
     "docs/configs.md is stale: run python -c 'from jaxrl.config import write_reference; "
     "write_reference()'"
   )
-  for path, is_section in field_paths().items():
+  for path in field_paths():
     section, _, name = path.rpartition(".")
     heading = f"### `config.{section}`" if section else "### `config` (top level)"
     assert heading in block, path

@@ -39,7 +39,7 @@ def _centred(values, m, axis):
 
 
 @ESTIMATORS.register("grpo")
-def grpo(rewards, mask=None, *, eps: float = 1e-6, scale_by_std: bool = True, **_):
+def grpo(rewards, mask=None, *, eps: float = 1e-6, scale_by_std: bool = True, **_) -> jax.Array:
   """GRPO group-relative advantage (Shao et al. 2024, DeepSeekMath, eq. 3 / §4.1.2):
   A_i = (r_i - mean(r_group)) / (std(r_group) + eps), std with Bessel's correction as in TRL/verl.
 
@@ -56,7 +56,7 @@ def grpo(rewards, mask=None, *, eps: float = 1e-6, scale_by_std: bool = True, **
 
 
 @ESTIMATORS.register("dr_grpo")
-def dr_grpo(rewards, mask=None, **_):
+def dr_grpo(rewards, mask=None, **_) -> jax.Array:
   """Dr.GRPO advantage (Liu et al. 2025, "Understanding R1-Zero-Like Training", arXiv 2503.20783):
   A_i = r_i - mean(r_group). Dropping GRPO's 1/std removes its question-difficulty bias (groups
   with a small spread no longer get up-weighted). scale_by_std is ignored on purpose.
@@ -66,7 +66,7 @@ def dr_grpo(rewards, mask=None, **_):
 
 
 @ESTIMATORS.register("rloo")
-def rloo(rewards, mask=None, **_):
+def rloo(rewards, mask=None, **_) -> jax.Array:
   """REINFORCE leave-one-out (Ahmadian et al. 2024, "Back to Basics", arXiv 2402.14740; Kool 2019):
   A_i = r_i - (1 / (n - 1)) sum_{j != i} r_j = n / (n - 1) * (r_i - mean(r_group)), with n the
   number of valid samples of the group. A baseline that excludes r_i keeps the gradient unbiased.
@@ -77,8 +77,13 @@ def rloo(rewards, mask=None, **_):
   return jnp.where(mask & (n > 1), adv, 0.0)
 
 
-def _global_whiten(values, mask, m, eps):
-  """(v - mean) / (std + eps) over every valid entry of the batch (Bessel-corrected std)."""
+def whiten(values, mask=None, eps: float = 1e-6) -> jax.Array:
+  """The one whitening of jaxrl: (v - mean) / (std + eps) over every valid entry (any shape),
+  std Bessel-corrected (n - 1, as TRL and verl), exactly 0 where the valid values all tie or
+  there is at most one. REINFORCE++'s global normalisation and PPO's GAE advantages use it."""
+  values = jnp.asarray(values, jnp.float32)
+  mask = jnp.ones_like(values, bool) if mask is None else jnp.asarray(mask, bool)
+  m = mask.astype(jnp.float32)
   n = jnp.sum(m)
   centred = _centred(values, m, None)
   std = jnp.sqrt(jnp.sum(centred**2) / jnp.maximum(n - 1.0, 1.0))
@@ -86,30 +91,30 @@ def _global_whiten(values, mask, m, eps):
 
 
 @ESTIMATORS.register("reinforce_pp", groupless=True)
-def reinforce_pp(rewards, mask=None, *, eps: float = 1e-6, **_):
+def reinforce_pp(rewards, mask=None, *, eps: float = 1e-6, **_) -> jax.Array:
   """REINFORCE++ (Hu 2025, arXiv 2501.03262, "global advantage normalization"):
   A_i = (r_i - mean_batch(r)) / (std_batch(r) + eps), statistics over every valid sample of the
   batch, ignoring the grouping. Global normalisation is less noisy than per-prompt statistics and
   does not over-weight low-spread prompts. Outcome rewards only: a per-token KL penalty folded into
   the reward (kl.kl_in_reward) would be summed into r_i by the caller first.
   """
-  rewards, mask, m, _ = _prepare(rewards, mask)
-  return _global_whiten(rewards, mask, m, eps)
+  rewards, mask, _, _ = _prepare(rewards, mask)
+  return whiten(rewards, mask, eps)
 
 
 @ESTIMATORS.register("reinforce_pp_baseline")
-def reinforce_pp_baseline(rewards, mask=None, *, eps: float = 1e-6, **_):
+def reinforce_pp_baseline(rewards, mask=None, *, eps: float = 1e-6, **_) -> jax.Array:
   """REINFORCE++-baseline (Hu 2025, arXiv 2501.03262, the group-mean-baseline variant):
   A_i = whiten_batch(r_i - mean(r_group)). The group mean removes prompt difficulty, the global
   whitening sets the scale. Single-sample groups contribute a centred 0 (they still count in the
   batch std: they are real samples with no signal).
   """
   rewards, mask, m, _ = _prepare(rewards, mask)
-  return _global_whiten(_centred(rewards, m, -1), mask, m, eps)
+  return whiten(_centred(rewards, m, -1), mask, eps)
 
 
 @ESTIMATORS.register("robust_median")
-def robust_median(rewards, mask=None, *, min_frac: float = 0.5, **_):
+def robust_median(rewards, mask=None, *, min_frac: float = 0.5, **_) -> jax.Array:
   """GAPO robust baseline (GAPO, group adaptive policy optimisation for real-world code
   editing): sort the group's valid rewards s_1 <= ... <= s_n, pick the contiguous interval
   [i, j] of that order with the highest SNR = mean / std, set Q = median(s_i..s_j) and

@@ -57,7 +57,9 @@ def from_rollout(rollout, advantages, *, ref_logprobs=None) -> TrainBatch:
   return TrainBatch(tokens, valid, loss_mask, adv, old, ref, versions)
 
 
-def supervised(prompt_tokens, prompt_mask, completions, *, max_new_tokens: int, pad_id: int):
+def supervised(
+  prompt_tokens, prompt_mask, completions, *, max_new_tokens: int, pad_id: int
+) -> TrainBatch:
   """A batch for supervised fine-tuning: loss on the completion tokens (lists ending with EOS)."""
   b = len(completions)
   comp = np.full((b, max_new_tokens), pad_id, np.int32)
@@ -90,7 +92,7 @@ def _live_rows(loss_mask, advantages):
 
 
 @jax.jit
-def take_rows(batch, rows):
+def take_rows(batch, rows) -> TrainBatch:
   """Rows `rows` (a device int array) of every field of a batch pytree."""
   return jax.tree.map(lambda x: jnp.take(x, rows, axis=0), batch)
 

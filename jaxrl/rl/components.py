@@ -5,18 +5,20 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from flax import nnx
+
 from jaxrl.config import ConfigError, ModelSection, TaskConfig, TeacherConfig
 from jaxrl.data import word_problems
 from jaxrl.data.arithmetic import ArithmeticTask
 from jaxrl.data.jsonl import JsonlTask
 from jaxrl.mesh import Rules, shard_params
-from jaxrl.models.config import from_preset
+from jaxrl.models.config import ModelConfig, from_preset
 from jaxrl.models.hf import load_hf_checkpoint
 from jaxrl.models.transformer import make_model
-from jaxrl.tokenizer import load_tokenizer
+from jaxrl.tokenizer import Tokenizer, load_tokenizer
 
 
-def build_tokenizer(model: ModelSection):
+def build_tokenizer(model: ModelSection) -> Tokenizer:
   """model.tokenizer: 'byte', an HF tokenizer directory, or '' (model.path's, else bytes)."""
   spec = model.tokenizer or model.path or "byte"
   try:
@@ -34,7 +36,9 @@ def lora_options(model: ModelSection) -> dict:
   return dict(lora_rank=model.lora_rank, lora_alpha=model.lora_alpha, lora_targets=targets)
 
 
-def build_model(model: ModelSection, tokenizer, mesh, rules: Rules, *, seed: int):
+def build_model(
+  model: ModelSection, tokenizer, mesh, rules: Rules, *, seed: int
+) -> tuple[ModelConfig, nnx.GraphDef, nnx.State]:
   """(ModelConfig, graphdef, params placed on the mesh): an HF checkpoint read tensor by tensor
   straight into its shardings (model.path), or a preset initialised from `seed`. With
   model.lora_rank the model carries fresh adapters (B = 0: it starts equal to the base)."""
@@ -75,7 +79,9 @@ def build_model(model: ModelSection, tokenizer, mesh, rules: Rules, *, seed: int
   return cfg, graphdef, shard_params(params, mesh, rules)
 
 
-def build_teacher(teacher: TeacherConfig, student_cfg, mesh, rules: Rules):
+def build_teacher(
+  teacher: TeacherConfig, student_cfg, mesh, rules: Rules
+) -> tuple[ModelConfig, nnx.GraphDef, nnx.State]:
   """(ModelConfig, graphdef, params) of the distillation teacher on the student's mesh: an HF
   checkpoint of any supported family (teacher.path), or a preset initialised from teacher.seed.
 
@@ -109,7 +115,9 @@ def build_teacher(teacher: TeacherConfig, student_cfg, mesh, rules: Rules):
   return cfg, graphdef, params
 
 
-def build_task(task: TaskConfig, workdir: str | os.PathLike, *, seed: int):
+def build_task(
+  task: TaskConfig, workdir: str | os.PathLike, *, seed: int
+) -> ArithmeticTask | JsonlTask:
   """The prompt source: arithmetic (synthetic), jsonl (a local file, GSM8K layout by default) or
   word_problems (GSM8K-format problems generated into workdir/data)."""
   if task.name == "arithmetic":

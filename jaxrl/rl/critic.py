@@ -21,8 +21,10 @@ from jaxrl.mesh import shard_params
 from jaxrl.models.config import ModelConfig
 from jaxrl.models.lora import merge_lora
 from jaxrl.models.transformer import Transformer, positions_from_mask
+from jaxrl.rl.advantages import whiten
+from jaxrl.rl.batch import TrainBatch
 from jaxrl.rl.train_step import TrainState, init_state, make_optimizer, make_train_step
-from jaxrl.rl.value import gae, value_loss, whiten
+from jaxrl.rl.value import gae, value_loss
 
 
 class ValueModel(nnx.Module):
@@ -55,7 +57,7 @@ class ValueLoss:
   graphdef: object
   clip: float = 0.2
 
-  def denominator(self, batch):
+  def denominator(self, batch) -> jax.Array:
     return jnp.sum(batch.loss_mask)
 
   def __call__(self, params, batch):
@@ -115,6 +117,7 @@ class Critic:
     self.estimator = estimator  # a needs_critic advantage kind of jaxrl.registry.ADVANTAGES
     graphdef = self.graphdef
     self.values = jax.jit(lambda p, t, v: nnx.merge(graphdef, p)(t, v))
+    self._advantages = jax.jit(self._advantages_fn)
 
   def init_params(self, policy_cfg: ModelConfig, policy_params: nnx.State) -> nnx.State:
     """Critic params: trunk = a copy of the policy's weights (LoRA merged), value head at 0."""
@@ -128,14 +131,19 @@ class Critic:
   def init(self, policy_cfg: ModelConfig, policy_params: nnx.State) -> TrainState:
     return init_state(self.init_params(policy_cfg, policy_params), self.optimizer)
 
-  def advantages(self, params, batch, token_rewards):
+  def advantages(self, params, batch, token_rewards) -> tuple[TrainBatch, dict[str, jax.Array]]:
     """PPO advantages for a TrainBatch on the mesh: the per-token rewards [B, T] (the task reward
     on each completion's last loss token, minus beta * KL per token where it is folded in), the
     critic's values V(s_t) of the rollout, GAE(gamma, lambda), optionally whitened. Returns
-    (batch with advantages, values and returns, stats as device scalars)."""
+    (batch with advantages, values and returns, stats as device scalars). One jitted program:
+    on a mesh, op-by-op dispatch would run a cross-device collective per reduction."""
+    return self._advantages(params, batch, token_rewards)
+
+  def _advantages_fn(self, params, batch, token_rewards):
     c = self.cfg
     mask = batch.loss_mask
-    values = self.values(params, batch.tokens, batch.valid) * mask
+    graphdef = self.graphdef
+    values = nnx.merge(graphdef, params)(batch.tokens, batch.valid) * mask
     adv, returns = self.estimator(token_rewards, values, mask, gamma=c.gamma, lam=c.lam)
     if c.whiten:
       adv = whiten(adv, mask)

@@ -53,7 +53,7 @@ def _logp_all(graphdef, params, tokens, valid, temperature: float, vocab_size=No
 
 def teacher_scores(
   graphdef, params, tokens, valid, *, top_k: int, temperature: float = 1.0, vocab_size=None
-):
+) -> tuple[jax.Array, jax.Array, jax.Array]:
   """Teacher log-probs of the sampled tokens [B, T] and its top-k ids / log-probs [B, T, K],
   over the first `vocab_size` ids (the student's vocabulary; None: all)."""
   logp = _logp_all(graphdef, params, tokens, valid, temperature, vocab_size)
@@ -64,7 +64,7 @@ def teacher_scores(
   return sampled, top_ids.astype(jnp.int32), top_logp
 
 
-def reverse_kl_sampled(logp, teacher_logp):
+def reverse_kl_sampled(logp, teacher_logp) -> jax.Array:
   """Per-token surrogate whose gradient estimates grad KL(pi_s || pi_t) on student samples.
 
   loss = sg(logp - teacher_logp) * logp. Returns (surrogate, k1 estimate = logp - teacher_logp).
@@ -73,14 +73,14 @@ def reverse_kl_sampled(logp, teacher_logp):
   return jax.lax.stop_gradient(k1) * logp, k1
 
 
-def forward_kl_topk(logp_all, topk_ids, topk_logp):
+def forward_kl_topk(logp_all, topk_ids, topk_logp) -> jax.Array:
   """sum_k p_t(k) (log p_t(k) - log pi_s(k)) with p_t renormalised over its top-k. [B, T]."""
   t_logp = topk_logp - jax.nn.logsumexp(topk_logp, axis=-1, keepdims=True)
   s_logp = jnp.take_along_axis(logp_all, topk_ids, axis=-1)
   return jnp.sum(jnp.exp(t_logp) * (t_logp - s_logp), axis=-1)
 
 
-def prefix_window(loss_mask, window: int | None):
+def prefix_window(loss_mask, window: int | None) -> jax.Array:
   """Keep only the first `window` loss tokens of each row (ADWIN's supervised prefix); None keeps
   every token."""
   if window is None:
@@ -110,7 +110,7 @@ class DistillLoss:
     if not 0.0 <= self.alpha <= 1.0:
       raise ValueError(f"distill alpha={self.alpha} must be in [0, 1]")
 
-  def denominator(self, batch):
+  def denominator(self, batch) -> jax.Array:
     mask = batch.loss_mask
     return aggregate(jnp.zeros_like(mask), mask, self.aggregation, max_tokens=self.max_tokens)[1]
 

@@ -11,11 +11,13 @@ step; those computed on the device stay there until the loop fetches a step's me
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from jaxrl.models.transformer import token_logprobs
 from jaxrl.quant import Quantizer
@@ -57,12 +59,14 @@ def build_sampler(run: Run) -> GroupSampler:
   )
 
 
-def concat_rows(parts: list, rows: np.ndarray):
+def concat_rows(parts: list, rows: np.ndarray) -> Rollout:
   """Rows `rows` of the row-wise concatenation of same-structured host pytrees."""
   return jax.tree.map(lambda *xs: np.concatenate(xs)[rows], *parts)
 
 
-def select_groups(rewards: list[np.ndarray], group_size: int, num_prompts: int):
+def select_groups(
+  rewards: list[np.ndarray], group_size: int, num_prompts: int
+) -> tuple[np.ndarray, np.ndarray, dict[str, float]]:
   """Dynamic sampling's filter over the rounds' task rewards: (rows into the concatenated rounds,
   row weights [rows], stats). The first `num_prompts` informative groups (rewards not all tied)
   are kept; if there are fewer, the earliest dropped groups fill the batch at zero weight."""
@@ -132,7 +136,7 @@ class Experience:
       lambda p, t, v: token_logprobs(graphdef, p, t, v, temperature=temperature)
     )
 
-  def sampler_params(self, step: int, params):
+  def sampler_params(self, step: int, params) -> nnx.State:
     """What the sampler reads at `step`: the learner's own param pytree (no copy, no sync), or
     with rl.rollout.quantize its quantized copy."""
     if self.quantize is None:
@@ -214,7 +218,9 @@ class Experience:
     }
     return batch, stats
 
-  def advantages(self, step: int, host: dict, shaped: np.ndarray, ref_params, critic_params):
+  def advantages(
+    self, step: int, host: dict, shaped: np.ndarray, ref_params, critic_params
+  ) -> tuple[TrainBatch, dict]:
     """(TrainBatch on the mesh, stats): one transfer of the host columns, then the reference
     log-probs, the KL folded into the reward, and the advantages of the configured source."""
     rl, run = self.run.cfg.rl, self.run
@@ -235,16 +241,8 @@ class Experience:
     token_rewards = None
     if rl.kl.beta > 0 and rl.kl.in_reward:
       # The penalty reads the behaviour log-probs, so it is a reward: fixed for the whole update.
-      mask = batch.loss_mask
-      kl = kl_estimate(batch.old_logprobs, batch.ref_logprobs, rl.kl.estimator) * mask
-      stats["rl/kl_in_reward"] = jnp.sum(kl) / jnp.maximum(jnp.sum(mask), 1)
-      token_rewards = kl_in_reward(
-        terminal_rewards(jnp.asarray(shaped, jnp.float32), mask),
-        batch.old_logprobs,
-        batch.ref_logprobs,
-        rl.kl.beta,
-        rl.kl.estimator,
-        mask,
+      token_rewards, stats["rl/kl_in_reward"] = _kl_in_reward(
+        shaped, batch.old_logprobs, batch.ref_logprobs, batch.loss_mask, rl.kl.beta, rl.kl.estimator
       )
     if self.teacher is not None:
       # The teacher's scores replace rewards (still computed, as a metric).
@@ -254,18 +252,32 @@ class Experience:
       # PPO: the task reward on each completion's last token (minus beta * KL per token with
       # rl.kl.in_reward), the critic's values of the rollout, GAE.
       if token_rewards is None:
-        token_rewards = terminal_rewards(jnp.asarray(shaped, jnp.float32), batch.loss_mask)
+        token_rewards = _terminal_rewards(shaped, batch.loss_mask)
       out, critic_stats = self.critic.advantages(critic_params, batch, token_rewards)
       return out, {**stats, **critic_stats}
-    seq = shaped if token_rewards is None else jnp.sum(token_rewards, axis=1)
-    grouped = jax.device_put(np.asarray(seq, np.float32)) if token_rewards is None else seq
-    grouped = grouped.reshape(-1, rl.group_size)
-    adv = self.advantage_fn(grouped, scale_by_std=rl.scale_by_std).reshape(-1)
+    # A group estimator: the sequence rewards (with the KL folded in, their per-token sums) on
+    # one device, where op-by-op dispatch runs no cross-device collective.
+    seq = shaped if token_rewards is None else jax.device_get(jnp.sum(token_rewards, axis=1))
+    seq = np.asarray(seq, np.float32).reshape(-1, rl.group_size)
+    adv = self.advantage_fn(jax.device_put(seq), scale_by_std=rl.scale_by_std).reshape(-1)
     batch = batch._replace(advantages=adv[:, None] * batch.loss_mask)
     stats.update({"rl/adv_mean": jnp.mean(adv), "rl/adv_std": jnp.std(adv)})
-    if rl.group_size > 1 and token_rewards is None:
-      tied = shaped.reshape(-1, rl.group_size)
-      stats["rl/zero_adv_groups"] = float(np.mean(np.all(tied == tied[:, :1], axis=1)))
-    elif rl.group_size > 1:
-      stats["rl/zero_adv_groups"] = jnp.mean(jnp.all(grouped == grouped[:, :1], axis=1))
+    if rl.group_size > 1:
+      stats["rl/zero_adv_groups"] = float(np.mean(np.all(seq == seq[:, :1], axis=1)))
     return batch, stats
+
+
+@jax.jit
+def _terminal_rewards(shaped, mask):
+  return terminal_rewards(jnp.asarray(shaped, jnp.float32), mask)
+
+
+@functools.partial(jax.jit, static_argnums=(4, 5))
+def _kl_in_reward(shaped, old_logprobs, ref_logprobs, mask, beta: float, estimator: str):
+  """(per-token rewards: the task reward on the last loss token minus beta * KL per token, the
+  mean KL over loss tokens) in one program (kl.kl_in_reward)."""
+  kl = kl_estimate(old_logprobs, ref_logprobs, estimator) * mask
+  rewards = kl_in_reward(
+    _terminal_rewards(shaped, mask), old_logprobs, ref_logprobs, beta, estimator, mask
+  )
+  return rewards, jnp.sum(kl) / jnp.maximum(jnp.sum(mask), 1)

@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 
 
-def kl_estimate(logp, ref_logp, kind: str = "k3"):
+def kl_estimate(logp, ref_logp, kind: str = "k3") -> jax.Array:
   """logp, ref_logp: [...] float32 log-probs of the sampled tokens. Returns the per-token KL."""
   log_ratio = ref_logp - logp  # log(pi_ref / pi_theta)
   if kind == "k1":
@@ -19,7 +19,9 @@ def kl_estimate(logp, ref_logp, kind: str = "k3"):
   raise ValueError(f"unknown KL estimator {kind!r}; valid: ['k1', 'k2', 'k3']")
 
 
-def kl_in_reward(rewards_per_token, logp, ref_logp, beta: float, kind: str = "k1", mask=None):
+def kl_in_reward(
+  rewards_per_token, logp, ref_logp, beta: float, kind: str = "k1", mask=None
+) -> jax.Array:
   """Per-token reward with the KL penalty folded in: r_t - beta * KL_t (Ziegler et al. 2019,
   eq. 2; Ouyang et al. 2022 InstructGPT eq. 2; REINFORCE++ Hu 2025 eq. 1).
 

@@ -77,7 +77,7 @@ class Trainer:
     self.ref_params = None  # the frozen reference: params (full fine-tuning) or adapters (LoRA)
     self.summary: dict = {}
 
-  def ref_params_now(self):
+  def ref_params_now(self) -> nnx.State:
     """The KL reference the rollout stage reads: the warm-started policy. With LoRA, the
     learner's own frozen base arrays with the warm-started adapters (copied at RL's start)."""
     if self.learner.trainable:
@@ -174,7 +174,7 @@ class Trainer:
       meta["distill"] = self.teacher.state_dict()
     self.rl_ckpt.save(step, self._checkpoint_item(), meta, force=force)
 
-  def restore_params(self, phase: str = "latest"):
+  def restore_params(self, phase: str = "latest") -> tuple[str, int, nnx.State]:
     """(phase, step, params) of this run's newest `phase` checkpoint (jaxrl.rl.run)."""
     self.rl_ckpt.wait()
     return restore_params(self.ctx, phase)

@@ -17,7 +17,7 @@ from jaxrl.registry import POLICY_LOSSES
 @POLICY_LOSSES.register("ppo_clip")
 def ppo_clip(
   logp, old_logp, advantages, *, eps_low: float = 0.2, eps_high: float = 0.2, mask=None, **_
-):
+) -> tuple[jax.Array, jax.Array]:
   """PPO clipped surrogate (Schulman et al. 2017, eq. 7), per token, with the asymmetric range
   [1 - eps_low, 1 + eps_high] (eps_high > eps_low is DAPO's clip-higher).
 
@@ -42,7 +42,7 @@ def dual_clip(
   clip_c: float = 3.0,
   mask=None,
   **_,
-):
+) -> tuple[jax.Array, jax.Array]:
   """Dual-clip PPO (Ye et al. 2020, "Mastering Complex Control in MOBA Games", arXiv 1912.09729):
   for A < 0 the objective max(min(ratio A, clip(ratio) A), c A) also bounds the loss by -c A, so a
   huge ratio on a bad (often stale, off-policy) token cannot blow the loss up. For A >= 0 it is
@@ -61,7 +61,7 @@ def dual_clip(
 @POLICY_LOSSES.register("gspo")
 def gspo(
   logp, old_logp, advantages, *, eps_low: float = 0.2, eps_high: float = 0.2, mask=None, **_
-):
+) -> tuple[jax.Array, jax.Array]:
   """GSPO sequence-level clipped surrogate (Zheng et al. 2025, arXiv 2507.18071, GSPO objective):
   s_i = exp(mean_{t valid} (logp - old_logp)) = (pi(y_i) / pi_old(y_i))^(1 / |y_i|), and every
   token of sequence i gets loss -min(s_i A, clip(s_i, 1 - eps_low, 1 + eps_high) A), so the whole
@@ -90,7 +90,7 @@ def cispo(
   mask=None,
   detached_logp=None,
   **_,
-):
+) -> tuple[jax.Array, jax.Array]:
   """CISPO (MiniMax-M1, MiniMax 2025, arXiv 2506.13585): REINFORCE with a clipped,
   stop-gradient importance weight, loss = -sg(clip(ratio, 1 - eps_low, 1 + eps_high)) * A * logp.
   Unlike PPO no token's gradient is dropped, only its weight is bounded (MiniMax sets a large
@@ -104,7 +104,9 @@ def cispo(
   return -weight * advantages * logp, weight != ratio
 
 
-def aggregate(per_token, mask, mode: str = "token-mean", *, max_tokens: int | None = None):
+def aggregate(
+  per_token, mask, mode: str = "token-mean", *, max_tokens: int | None = None
+) -> tuple[jax.Array, jax.Array]:
   """Reduce a per-token quantity [..., T] to (weighted_sum, denominator); never a mean of means.
 
   sum / denominator is the loss, and summing both over micro-batches that split the batch along

@@ -42,7 +42,7 @@ class PolicyLoss:
   def _aggregate(self, per_token, mask):
     return aggregate(per_token, mask, self.loss.aggregation, max_tokens=self.max_tokens)
 
-  def denominator(self, batch):
+  def denominator(self, batch) -> jax.Array:
     return self._aggregate(jnp.zeros_like(batch.loss_mask), batch.loss_mask)[1]
 
   def __call__(self, params, batch):
@@ -56,7 +56,7 @@ class PolicyLoss:
     )
     return self.from_logprobs(logp, entropy, batch)
 
-  def from_logprobs(self, logp, entropy, batch, *, detached_logp=None):
+  def from_logprobs(self, logp, entropy, batch, *, detached_logp=None) -> tuple[jax.Array, dict]:
     """The loss from the learner's log-probs and entropies [B, T]. detached_logp (default
     sg(logp)) is what the stop-gradient parts (IS weights, masks, SAT bounds) read: passing the
     log-probs of fixed params lets a finite-difference test freeze them, as autodiff does."""

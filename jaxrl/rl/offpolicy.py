@@ -46,7 +46,7 @@ def _default_anchor(logp, prox):
 # truncated [B, T] bool, masked [B, T] bool).
 
 
-def sequence_log_ratio(log_rho, mask):
+def sequence_log_ratio(log_rho, mask) -> jax.Array:
   """Per-sequence log of the geometric-mean ratio, mean_t log rho_t over the loss tokens, broadcast
   to [B, T]. Geometric mean, not the product: a product over hundreds of tokens under- or
   overflows, and one fixed [lo, hi] band would mean different things for short and long answers
@@ -57,7 +57,7 @@ def sequence_log_ratio(log_rho, mask):
 
 
 @IS_CORRECTIONS.register("none")
-def no_is(log_rho, mask, cfg: OffPolicyConfig):
+def no_is(log_rho, mask, cfg: OffPolicyConfig) -> tuple[jax.Array, jax.Array, jax.Array]:
   """No mismatch correction: weight 1."""
   del mask, cfg
   false = jnp.zeros(log_rho.shape, bool)
@@ -65,7 +65,7 @@ def no_is(log_rho, mask, cfg: OffPolicyConfig):
 
 
 @IS_CORRECTIONS.register("tis")
-def tis(log_rho, mask, cfg: OffPolicyConfig):
+def tis(log_rho, mask, cfg: OffPolicyConfig) -> tuple[jax.Array, jax.Array, jax.Array]:
   """Truncated importance sampling, token level (Yao et al. 2025, "Your Efficient RL Framework
   Secretly Brings You Off-Policy RL Training"; DART): w_t = min(rho_t, C),
   rho_t = pi_anchor / pi_behav, stop-gradient. Truncation bounds the variance a single token with a
@@ -77,14 +77,14 @@ def tis(log_rho, mask, cfg: OffPolicyConfig):
 
 
 @IS_CORRECTIONS.register("tis_seq")
-def tis_seq(log_rho, mask, cfg: OffPolicyConfig):
+def tis_seq(log_rho, mask, cfg: OffPolicyConfig) -> tuple[jax.Array, jax.Array, jax.Array]:
   """Sequence-level TIS: every token of sequence i weighs min(rho_i, C), with rho_i the
   geometric-mean ratio of the sequence (see sequence_log_ratio)."""
   return tis(sequence_log_ratio(log_rho, mask), mask, cfg)
 
 
 @IS_CORRECTIONS.register("mis")
-def mis(log_rho, mask, cfg: OffPolicyConfig):
+def mis(log_rho, mask, cfg: OffPolicyConfig) -> tuple[jax.Array, jax.Array, jax.Array]:
   """Masked importance sampling, token level (IcePop, Ring-1T 2025; Yao et al. 2025 MIS): the
   weight is rho_t inside [lo, hi] and 0 outside, so tokens the sampler and learner disagree on
   too much are dropped from the gradient instead of being down-weighted. lo <= 1 <= hi leaves
@@ -97,7 +97,7 @@ def mis(log_rho, mask, cfg: OffPolicyConfig):
 
 
 @IS_CORRECTIONS.register("mis_seq")
-def mis_seq(log_rho, mask, cfg: OffPolicyConfig):
+def mis_seq(log_rho, mask, cfg: OffPolicyConfig) -> tuple[jax.Array, jax.Array, jax.Array]:
   """Sequence-level MIS: a whole sequence is masked when its geometric-mean ratio leaves
   [lo, hi]; otherwise every token weighs the sequence ratio."""
   return mis(sequence_log_ratio(log_rho, mask), mask, cfg)
@@ -110,7 +110,9 @@ def mis_seq(log_rho, mask, cfg: OffPolicyConfig):
 
 
 @OFFPOLICY.register("none")
-def no_offpolicy(logp, behav, mask, advantages, cfg, *, prox=None, lag=0.0, eps_low, eps_high):
+def no_offpolicy(
+  logp, behav, mask, advantages, cfg, *, prox=None, lag=0.0, eps_low, eps_high
+) -> Adjust:
   """Plain PPO ratio against the learner-side old policy when the batch carries one, else against
   the behaviour policy."""
   del advantages, cfg, lag
@@ -120,7 +122,7 @@ def no_offpolicy(logp, behav, mask, advantages, cfg, *, prox=None, lag=0.0, eps_
   return Adjust(old, _default_anchor(logp, prox), False, keep, eps_low, eps_high, false)
 
 
-def interpolated_prox(logp, behav, lag):
+def interpolated_prox(logp, behav, lag) -> jax.Array:
   """Approximate proximal log-probs when no learner forward recomputed them (after A-3PO and the
   PPO-EWMA fallback of decoupled asynchronous RL): log-linear interpolation by version lag,
 
@@ -137,7 +139,9 @@ def interpolated_prox(logp, behav, lag):
 
 
 @OFFPOLICY.register("decoupled")
-def decoupled(logp, behav, mask, advantages, cfg, *, prox=None, lag=0.0, eps_low, eps_high):
+def decoupled(
+  logp, behav, mask, advantages, cfg, *, prox=None, lag=0.0, eps_low, eps_high
+) -> Adjust:
   """Decoupled PPO (Hilton et al. 2022, "Batch size-invariance for policy optimization", arXiv
   2110.00641; AReaL): ratio = [pi_prox / pi_behav] x [pi_theta / pi_prox],
   the PPO clip on pi_theta / pi_prox (the trust region around the recent learner policy) and
@@ -153,7 +157,7 @@ def decoupled(logp, behav, mask, advantages, cfg, *, prox=None, lag=0.0, eps_low
   return Adjust(prox, prox, True, jnp.asarray(mask, bool), eps_low, eps_high, false)
 
 
-def m2po_keep(log_ratio, mask, tau: float):
+def m2po_keep(log_ratio, mask, tau: float) -> jax.Array:
   """M2PO second-moment trust mask (arXiv 2510.01161): drop the tokens
   with the largest squared log-ratio, one at a time, until the mean of (log r)^2 over the kept
   loss tokens is <= tau; keep everything if it already is. Sorted ascending, the running mean of
@@ -173,7 +177,7 @@ def m2po_keep(log_ratio, mask, tau: float):
 
 
 @OFFPOLICY.register("m2po")
-def m2po(logp, behav, mask, advantages, cfg, *, prox=None, lag=0.0, eps_low, eps_high):
+def m2po(logp, behav, mask, advantages, cfg, *, prox=None, lag=0.0, eps_low, eps_high) -> Adjust:
   """M2PO (arXiv 2510.01161): mask only the extreme-ratio tokens so that the batch's second
   moment of log(pi_theta / pi_behav) is <= tau (m2po_keep). The paper drops PPO's clip and relies
   on this mask alone; pair it with wide eps_low / eps_high (or cispo) to reproduce that. With
@@ -186,7 +190,9 @@ def m2po(logp, behav, mask, advantages, cfg, *, prox=None, lag=0.0, eps_low, eps
   return Adjust(old, _default_anchor(logp, prox), False, keep, eps_low, eps_high, false)
 
 
-def sat_bounds(log_ratio, mask, advantages, *, eps_low, eps_high, sat_tail: float = 2.0):
+def sat_bounds(
+  log_ratio, mask, advantages, *, eps_low, eps_high, sat_tail: float = 2.0
+) -> tuple[jax.Array, jax.Array, jax.Array]:
   """Staleness-adaptive clip bounds (SAT). What the abstract states, and
   how each part is read here:
   - staleness proxy: "the detached sampled log-ratio": d_t = |sg(log pi_theta - log pi_behav)|
@@ -215,7 +221,7 @@ def sat_bounds(log_ratio, mask, advantages, *, eps_low, eps_high, sat_tail: floa
 
 
 @OFFPOLICY.register("sat")
-def sat(logp, behav, mask, advantages, cfg, *, prox=None, lag=0.0, eps_low, eps_high):
+def sat(logp, behav, mask, advantages, cfg, *, prox=None, lag=0.0, eps_low, eps_high) -> Adjust:
   """SAT staleness-adaptive trust region: PPO (or GSPO, as in the
   paper's SAT-GSPO) with the per-token bounds of sat_bounds."""
   del lag
@@ -282,7 +288,7 @@ def correct(
   )
 
 
-def masked_quantile(x, mask, q: float):
+def masked_quantile(x, mask, q: float) -> jax.Array:
   """The q-quantile (numpy's default linear interpolation) of x over mask; 0 if mask is empty."""
   m = jnp.asarray(mask, bool).reshape(-1)
   v = jnp.sort(jnp.where(m, x.reshape(-1), -jnp.inf))

@@ -111,7 +111,7 @@ class Run:
     """An engine run seed (its request keys fold in request ids) derived from the run seed."""
     return int(np.random.SeedSequence([self.cfg.seed, *parts]).generate_state(1)[0] >> 1)
 
-  def shard(self, tree):
+  def shard(self, tree) -> Any:
     """Place a batch pytree (host or device arrays) with its rows over the batch axes."""
     return jax.device_put(tree, self.batch_sharding)
 
@@ -122,7 +122,7 @@ class Run:
     )
 
 
-def abstract(tree):
+def abstract(tree) -> Any:
   """ShapeDtypeStructs with each array's sharding: a restore target laid out like `tree`."""
   return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
 

@@ -7,6 +7,7 @@ interrupted warm-start resumes where it stopped; its final params seed RL (and i
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import jax
 
@@ -53,7 +54,7 @@ class SFTPhase:
       toks, mask, comps, max_new_tokens=run.cfg.rl.max_new_tokens, pad_id=run.tokenizer.pad_id
     )
 
-  def run_phase(self, summary: dict, until: int | None = None):
+  def run_phase(self, summary: dict, until: int | None = None) -> Any:
     """Run or resume the warm-start; `until` stops (and checkpoints) after that many steps
     without finishing the phase, as a preemption would. Updates `summary` in place."""
     run, cfg = self.run, self.run.cfg.sft

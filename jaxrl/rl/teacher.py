@@ -59,23 +59,18 @@ class Teacher:
       )
       self._probe = jax.jit(lambda p, b, w: prefix_alignment(self.loss, p, b, w))
 
-  def score(self, batch, sharded):
+  def score(self, batch, sharded) -> tuple[DistillBatch, dict[str, jax.Array]]:
     """(DistillBatch, stats as device scalars): the teacher's scores of the rollout in one
     jitted forward. `sharded` = (tokens, valid) already placed on the mesh."""
     t_logp, top_ids, top_logp = self._score(self.params, *sharded)
     mask = batch.loss_mask
-    n = jnp.maximum(jnp.sum(mask), 1.0)
-    k1 = jnp.sum((batch.old_logprobs - t_logp) * mask) / n  # estimate of KL(student || teacher)
-    stats = {
-      "distill/teacher_logprob": jnp.sum(t_logp * mask) / n,
-      "distill/reverse_kl_rollout": k1,
-    }
+    stats = _score_stats(t_logp, batch.old_logprobs, mask)
     out = DistillBatch(
       batch.tokens, batch.valid, mask, batch.old_logprobs, t_logp * mask, top_ids, top_logp
     )
     return out, stats
 
-  def window(self, step: int, params, batch, shard):
+  def window(self, step: int, params, batch, shard) -> tuple[object, dict[str, float]]:
     """The batch with only each row's supervised prefix in the loss. With ADWIN, on probe steps
     the prefix and full-rollout gradients are compared first (at `params`, before this step's
     updates) and the controller moves the window. `shard` places a batch on the mesh."""
@@ -101,3 +96,14 @@ class Teacher:
     # configured starting window.
     if self.controller is not None and state:
       self.controller.load_state_dict(state)
+
+
+@jax.jit
+def _score_stats(t_logp, old_logprobs, mask) -> dict:
+  """The teacher's mean log-prob of the sampled tokens and the k1 estimate of
+  KL(student || teacher) over the loss tokens, in one program (no op-by-op collectives)."""
+  n = jnp.maximum(jnp.sum(mask), 1.0)
+  return {
+    "distill/teacher_logprob": jnp.sum(t_logp * mask) / n,
+    "distill/reverse_kl_rollout": jnp.sum((old_logprobs - t_logp) * mask) / n,
+  }

@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 
 
-def terminal_rewards(rewards, mask):
+def terminal_rewards(rewards, mask) -> jax.Array:
   """Place each sequence's scalar reward on its last loss token. rewards: [B]; mask: [B, T].
 
   Returns [B, T] float32, zero elsewhere (rows with no loss token get nothing). Per-token terms
@@ -21,7 +21,9 @@ def terminal_rewards(rewards, mask):
   return onehot * jnp.asarray(rewards, jnp.float32)[:, None]
 
 
-def gae(rewards, values, mask, *, gamma: float = 1.0, lam: float = 0.95):
+def gae(
+  rewards, values, mask, *, gamma: float = 1.0, lam: float = 0.95
+) -> tuple[jax.Array, jax.Array]:
   """Generalised advantage estimation (Schulman et al. 2016, arXiv 1506.02438, eq. 16).
 
   rewards, values, mask: [B, T] over token columns; column t is the action "emit token t" and
@@ -56,7 +58,9 @@ def gae(rewards, values, mask, *, gamma: float = 1.0, lam: float = 0.95):
   return adv, (adv + values) * m
 
 
-def value_loss(values, old_values, returns, mask, *, clip: float | None = 0.2):
+def value_loss(
+  values, old_values, returns, mask, *, clip: float | None = 0.2
+) -> tuple[jax.Array, jax.Array]:
   """Clipped value loss of PPO2 (OpenAI baselines; Engstrom et al. 2020, "Implementation Matters",
   arXiv 2005.12729): 0.5 * max((V - R)^2, (V_old + clip(V - V_old, -c, c) - R)^2) per token.
 
@@ -71,12 +75,3 @@ def value_loss(values, old_values, returns, mask, *, clip: float | None = 0.2):
   v_clipped = old_values + jnp.clip(values - old_values, -clip, clip)
   err_clipped = jnp.square(v_clipped - returns)
   return 0.5 * jnp.maximum(err, err_clipped) * mask, (err_clipped > err) & (mask > 0)
-
-
-def whiten(x, mask, eps: float = 1e-8):
-  """(x - mean) / std over the masked entries (the usual PPO advantage normalisation)."""
-  m = jnp.asarray(mask, jnp.float32)
-  n = jnp.maximum(jnp.sum(m), 1.0)
-  mean = jnp.sum(x * m) / n
-  var = jnp.sum(jnp.square(x - mean) * m) / n
-  return (x - mean) * jax.lax.rsqrt(var + eps) * m

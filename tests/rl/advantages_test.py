@@ -13,6 +13,7 @@ from jaxrl.rl.advantages import (
   reinforce_pp_baseline,
   rloo,
   robust_median,
+  whiten,
 )
 from jaxrl.rl.value import gae
 
@@ -227,6 +228,16 @@ def test_rloo_is_g_over_g_minus_1_times_centred_and_matches_numpy():
   rewards, mask = _random_ragged(6)
   np.testing.assert_allclose(rloo(rewards, mask), _np_rloo(rewards, mask), rtol=1e-5, atol=1e-6)
   np.testing.assert_allclose(np.sum(np.asarray(rloo(rewards, mask)), axis=1), 0.0, atol=1e-5)
+
+
+def test_whiten_masked_moments_bessel_corrected():
+  """The one whitening (REINFORCE++ and PPO's GAE): masked mean 0, Bessel std 1, 0 elsewhere."""
+  x = np.array([[1.0, 2.0, 3.0, 100.0]])
+  m = np.array([[1.0, 1.0, 1.0, 0.0]])
+  w = np.asarray(whiten(x, m, eps=0.0))
+  np.testing.assert_allclose(w[0, :3], [-1.0, 0.0, 1.0], atol=1e-6)  # std(1, 2, 3; ddof=1) = 1
+  assert w[0, 3] == 0.0
+  assert np.all(np.asarray(whiten(np.full((2, 3), 0.7))) == 0.0)  # ties: exactly 0
 
 
 def test_reinforce_pp_by_hand():

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from jaxrl.rl.value import gae, terminal_rewards, value_loss, whiten
+from jaxrl.rl.value import gae, terminal_rewards, value_loss
 
 
 def _gae_numpy(rewards, values, mask, gamma, lam):
@@ -86,14 +86,6 @@ def test_value_loss_clipping():
   np.testing.assert_allclose(plain, 0.5 * (v - ret) ** 2, atol=1e-6)
   with pytest.raises(ValueError, match="clip"):
     value_loss(v, old, ret, m, clip=0.0)
-
-
-def test_whiten_masked_moments():
-  x = np.array([[1.0, 2.0, 3.0, 100.0]])
-  m = np.array([[1.0, 1.0, 1.0, 0.0]])
-  w = np.asarray(whiten(x, m))
-  np.testing.assert_allclose(w[0, :3], (np.array([1, 2, 3]) - 2) / np.std([1, 2, 3]), atol=1e-5)
-  assert w[0, 3] == 0.0
 
 
 def test_gae_rejects_bad_coefficients():
