@@ -2,6 +2,7 @@
 params without an optimizer, an engine or a teacher."""
 
 import dataclasses
+import json
 
 import jax
 import numpy as np
@@ -65,7 +66,32 @@ def test_update_runs_under_a_disallowing_transfer_guard(tmp_path, rl):
     trainer.close()
 
 
-def test_export_builds_no_optimizer_engine_or_teacher(tmp_path, monkeypatch):
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+  """One tiny SFT + RL run: its config, its final params on the host, its RL metrics."""
+  workdir = tmp_path_factory.mktemp("trained")
+  trainer = Trainer(_config(workdir), log=lambda *_: None)
+  trainer.run()
+  final = jax.device_get(trainer.state.policy.params)
+  trainer.close()
+  lines = [json.loads(x) for x in (workdir / "metrics.jsonl").read_text().splitlines()]
+  c = grpo_arith.get_config("smoke")  # what a user passes: the run's config file and flags
+  c.workdir, c.model.preset = str(workdir), "tiny"
+  c.sft.steps, c.rl.steps = 2, 2
+  c.rl.prompts_per_step, c.rl.group_size = 4, 4
+  c.eval.every, c.eval.num_examples, c.eval.num_samples = 0, 8, 0
+  return c, final, [r for r in lines if r["phase"] == "rl"]
+
+
+def _forbid(monkeypatch, *targets):
+  def forbidden(*_, **__):
+    raise AssertionError("must not be built here")
+
+  for obj, name in targets:
+    monkeypatch.setattr(obj, name, forbidden)
+
+
+def test_export_builds_no_optimizer_engine_or_teacher(trained, tmp_path, monkeypatch):
   """A params-only restore: exporting a run's checkpoint constructs none of the training or
   sampling machinery (each constructor raises if called)."""
   import optax
@@ -75,26 +101,39 @@ def test_export_builds_no_optimizer_engine_or_teacher(tmp_path, monkeypatch):
   from jaxrl.rollout import engine
   from launch.export import export
 
-  cfg = _config(tmp_path / "run")
-  trainer = Trainer(cfg, log=lambda *_: None)
-  trainer.run()
-  final = jax.device_get(trainer.state.policy.params)
-  trainer.close()
-
-  def forbidden(*_, **__):
-    raise AssertionError("export must not build this")
-
-  monkeypatch.setattr(optax, "adamw", forbidden)
-  monkeypatch.setattr(engine.Engine, "__init__", forbidden)
-  monkeypatch.setattr(teacher.Teacher, "__init__", forbidden)
-  c = grpo_arith.get_config("smoke")
-  c.workdir, c.model.preset = str(tmp_path / "run"), "tiny"
-  c.sft.steps, c.rl.steps = cfg.sft.steps, cfg.rl.steps
+  c, final, _ = trained
+  _forbid(monkeypatch, (optax, "adamw"), (engine.Engine, "__init__"), (teacher.Teacher, "__init__"))
   line = export(c, tmp_path / "out")
   assert "exported rl step 2" in line
   _, _, params = load_hf_checkpoint(tmp_path / "out")
   for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(final), strict=True):
     np.testing.assert_array_equal(np.asarray(a), b)
+
+
+def test_evaluation_builds_no_optimizer_or_teacher_and_repeats_the_runs_eval(trained, monkeypatch):
+  """launch.evaluate restores the params alone and builds only the sampler it decodes with; its
+  held-out accuracy is the one the run logged after its last step (same params, same seeds)."""
+  import optax
+
+  from jaxrl.rl import teacher
+  from jaxrl.rollout import engine
+  from launch.evaluate import evaluate
+
+  c, _, rl_lines = trained
+  _forbid(monkeypatch, (optax, "adamw"), (teacher.Teacher, "__init__"))
+  built = []
+  init = engine.Engine.__init__
+
+  def counted(self, *args, **kwargs):
+    built.append(self)
+    init(self, *args, **kwargs)
+
+  monkeypatch.setattr(engine.Engine, "__init__", counted)
+  result = evaluate(c)
+  assert (result["phase"], result["step"]) == ("rl", 2) and len(built) == 1
+  logged = rl_lines[-1]
+  for key in ("eval/accuracy", "eval/response_length", "eval/carry_accuracy"):
+    assert result[key] == logged[key], key
 
 
 def test_rl_metrics_sum_engine_counters_over_dynamic_sampling_rounds(tmp_path):
