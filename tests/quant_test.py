@@ -6,14 +6,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from families import greedy_rows
 from flax import nnx
+from helpers import apply, graphdef_of, greedy_rows, numpy_model, token_logprobs
 
 from jaxrl.models import ModelConfig, Transformer
 from jaxrl.models import lora as lora_lib
 from jaxrl.models.linear import LoRA, project
-from jaxrl.models.transformer import apply as _apply
-from jaxrl.models.transformer import token_logprobs as _token_logprobs
 from jaxrl.quant import (
   QArray,
   Quantizer,
@@ -28,9 +26,6 @@ from jaxrl.rollout.driver import Driver, Request
 from jaxrl.rollout.engine import Engine
 from jaxrl.rollout.reference import make_sampler, row_keys
 from jaxrl.rollout.sampling import SamplingParams
-
-apply = jax.jit(_apply, static_argnums=0)
-token_logprobs = jax.jit(_token_logprobs, static_argnums=0)
 
 # Odd / prime sizes so a transposed axis shows; head_dim even for RoPE.
 CFG = ModelConfig(
@@ -171,25 +166,9 @@ def test_int8_einsum_rejects_mismatched_weight():
 # ---------------------------------------------------------------------------- quantize_params
 
 
-def _draw(cfg, seed, zero_b=True):
-  """(graphdef, params) of `cfg` with numpy-drawn weights larger than at init and norm scales
-  off 1 (jax.random init compiles a kernel per leaf shape); LoRA B is zero unless asked."""
-  graphdef, abstract = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0))))
-  rng = np.random.default_rng(seed)
-
-  def draw(path, leaf):
-    z = rng.normal(size=leaf.shape)
-    key = jax.tree_util.keystr(path)
-    if zero_b and "['b']" in key:
-      return jnp.zeros(leaf.shape, leaf.dtype)
-    return jnp.asarray(1.0 + 0.1 * z if "'scale'" in key else 0.15 * z, leaf.dtype)
-
-  return graphdef, jax.tree_util.tree_map_with_path(draw, abstract)
-
-
 @functools.cache
 def _model():
-  graphdef, params = _draw(CFG, 0)
+  graphdef, params = numpy_model(CFG, 0)
   return graphdef, params, jax.jit(quantize_params)(params)
 
 
@@ -350,7 +329,7 @@ def test_quantized_forward_matches_numpy_reference_and_stays_near_float():
 
 def test_lora_adapters_stay_float_and_a_fresh_adapter_changes_nothing():
   lcfg = CFG.replace(lora_rank=3, lora_alpha=5.0)
-  lgraphdef, lparams = _draw(lcfg, 0)  # B = 0: a fresh adapter
+  lgraphdef, lparams = numpy_model(lcfg, 0)  # B = 0: a fresh adapter
   qlora = quantize_params(lparams)
   adapter, base = lora_lib.split_lora(qlora)
   assert all(type(v) is nnx.LoRAParam for _, v in nnx.to_flat_state(adapter))
@@ -358,7 +337,7 @@ def test_lora_adapters_stay_float_and_a_fresh_adapter_changes_nothing():
   n_q = sum(isinstance(v.get_value(), QArray) for _, v in nnx.to_flat_state(base))
   assert n_q == lcfg.num_layers * len(PROJECTIONS)
   # The base model with the LoRA model's frozen weights, quantized the same way.
-  bgraphdef, _ = nnx.split(nnx.eval_shape(lambda: Transformer(CFG, rngs=nnx.Rngs(0))))
+  bgraphdef = graphdef_of(CFG)
   base_params = lora_lib.split_lora(lparams)[1]
   tokens = _tokens()
   # The int8 rescale fuses into the residual add differently once an adapter term sits between

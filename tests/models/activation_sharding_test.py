@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
+from helpers import graphdef_of
 
 from jaxrl import mesh as meshlib
 from jaxrl.models import ModelConfig, layers, transformer
@@ -64,7 +64,7 @@ def test_compiled_step_activations_carry_the_rules_shardings(scan, monkeypatch):
   mesh = meshlib.make_mesh(data=2, fsdp=2, tensor=2)
   graphdef, params, tokens, valid = _inputs(mesh)
   cfg = CFG.replace(scan_layers=scan, remat="full" if scan else "none")
-  graphdef = nnx.graphdef(nnx.eval_shape(lambda: transformer.Transformer(cfg, rngs=nnx.Rngs(0))))
+  graphdef = graphdef_of(cfg)
   seen = []
   real = meshlib.logical_constraint
 

@@ -8,17 +8,14 @@ import pytest
 import torch
 import transformers
 from flax import nnx
+from helpers import apply, graphdef_of
 from jax.sharding import PartitionSpec as P
 from safetensors.numpy import load_file, save_file
 
 from jaxrl.mesh import get_rules, make_mesh, param_shardings
 from jaxrl.models import hf
 from jaxrl.models.config import PRESETS
-from jaxrl.models.transformer import Transformer, positions_from_mask
-from jaxrl.models.transformer import apply as _apply
-
-# Jitted with the graphdef static: an eager forward dispatches op by op and is slow on CPU.
-apply = jax.jit(_apply, static_argnums=0)
+from jaxrl.models.transformer import positions_from_mask
 
 _LLAMA3_ROPE = dict(
   rope_type="llama3",
@@ -110,7 +107,7 @@ def test_load_matches_hf_logits(case, tmp_path):
   if cfg.rope_scaling is not None:
     # The scaling must matter here, or this case would not test it.
     unscaled = cfg.replace(rope_scaling=None)
-    plain_graphdef = nnx.graphdef(nnx.eval_shape(lambda: Transformer(unscaled, rngs=nnx.Rngs(0))))
+    plain_graphdef = graphdef_of(unscaled)
     plain = _jax_logits(plain_graphdef, params, tokens, valid)
     assert np.abs(plain[valid] - ref[valid]).max() > 1e-2
 
@@ -292,10 +289,7 @@ def _gemma3_batch():
 
 def _logits_with(cfg, params, tokens, valid, **overrides):
   """jaxrl logits of the same params under a changed config (to show an option matters)."""
-  graphdef = nnx.graphdef(
-    nnx.eval_shape(lambda: Transformer(cfg.replace(**overrides), rngs=nnx.Rngs(0)))
-  )
-  return _jax_logits(graphdef, params, tokens, valid)
+  return _jax_logits(graphdef_of(cfg.replace(**overrides)), params, tokens, valid)
 
 
 @pytest.mark.parametrize("case", list(GEMMA3_CASES))
@@ -503,7 +497,7 @@ def test_moe_load_matches_hf_logits(case, tmp_path):
   if model_type == "qwen3_moe":
     # The top-k renormalisation must matter here, or this case would not test it.
     flipped = cfg.replace(norm_topk_prob=not cfg.norm_topk_prob)
-    flipped_graphdef = nnx.graphdef(nnx.eval_shape(lambda: Transformer(flipped, rngs=nnx.Rngs(0))))
+    flipped_graphdef = graphdef_of(flipped)
     other = _jax_logits(flipped_graphdef, params, tokens, valid)
     assert np.abs(other[valid] - ref[valid]).max() > 1e-2
 

@@ -7,21 +7,17 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from helpers import apply, token_logprobs
 
 from jaxrl.mesh import get_rules, make_mesh, param_shardings
 from jaxrl.models import ModelConfig, make_model
 from jaxrl.models import lora as lora_lib
 from jaxrl.models.linear import project
-from jaxrl.models.transformer import apply as _apply
 from jaxrl.models.transformer import positions_from_mask
-from jaxrl.models.transformer import token_logprobs as _token_logprobs
 from jaxrl.rollout.collect import left_pad
 from jaxrl.rollout.engine import Engine, request_key
 from jaxrl.rollout.reference import make_sampler, row_keys
 from jaxrl.rollout.sampling import SamplingParams
-
-apply = jax.jit(_apply, static_argnums=0)
-token_logprobs = jax.jit(_token_logprobs, static_argnums=0)
 
 R, ALPHA = 3, 5.0
 BASE = ModelConfig.tiny().replace(num_layers=1)

@@ -6,16 +6,15 @@ import numpy as np
 import pytest
 import torch
 from flax import nnx
+from helpers import apply, decode_through_cache, perturbed_model
 from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
 
 from jaxrl.models import ModelConfig
 from jaxrl.models.config import PRESETS
 from jaxrl.models.moe import load_balancing_loss, moe_dense_reference, moe_dispatch, route
-from jaxrl.models.transformer import Transformer, init_cache, make_model, positions_from_mask
-from jaxrl.models.transformer import apply as _apply
+from jaxrl.models.transformer import Transformer, positions_from_mask
 from jaxrl.models.transformer import apply_with_routing as _apply_with_routing
 
-apply = jax.jit(_apply, static_argnums=0)
 apply_with_routing = jax.jit(_apply_with_routing, static_argnums=0)
 
 
@@ -111,45 +110,20 @@ def test_load_balancing_loss_matches_numpy_and_hf():
     np.testing.assert_allclose(ours, float(hf), rtol=1e-5)
 
 
-def _random_params(cfg, seed=0):
-  graphdef, params = make_model(cfg, seed=seed)
-  leaves, treedef = jax.tree.flatten(params)
-  keys = jax.random.split(jax.random.key(seed + 1), len(leaves))
-  leaves = [x + 0.1 * jax.random.normal(k, x.shape) for x, k in zip(leaves, keys, strict=True)]
-  return graphdef, jax.tree.unflatten(treedef, leaves)
-
-
 def test_moe_model_cached_decoding_equals_full_forward():
   cfg = _moe_cfg()
-  graphdef, params = _random_params(cfg)
+  graphdef, params = perturbed_model(cfg)
   b, t, p = 2, 9, 5
   tokens = jax.random.randint(jax.random.key(3), (b, t), 3, cfg.vocab_size)
   valid = jnp.ones((b, t), bool).at[1, :3].set(False)
-  pos = positions_from_mask(valid)
-  full, _ = apply(graphdef, params, tokens, pos, valid)
-  cache = init_cache(cfg, b, t)
-  kv_valid = jnp.concatenate([valid[:, :p], jnp.zeros((b, t - p), bool)], axis=1)
-  logits, cache = apply(graphdef, params, tokens[:, :p], pos[:, :p], kv_valid, cache=cache)
-  steps = [logits]
-  for i in range(p, t):
-    kv_valid = kv_valid.at[:, i].set(valid[:, i])
-    logits, cache = apply(
-      graphdef,
-      params,
-      tokens[:, i : i + 1],
-      pos[:, i : i + 1],
-      kv_valid,
-      cache=cache,
-      cache_index=i,
-    )
-    steps.append(logits)
-  cached = jnp.concatenate(steps, axis=1)
+  full, _ = apply(graphdef, params, tokens, positions_from_mask(valid), valid)
+  cached = decode_through_cache(graphdef, params, cfg, tokens, valid, p)
   np.testing.assert_allclose(np.asarray(cached)[valid], np.asarray(full)[valid], atol=1e-5)
 
 
 def test_apply_with_routing_returns_each_layers_top_k():
   cfg = _moe_cfg(norm_topk_prob=False)
-  graphdef, params = _random_params(cfg)
+  graphdef, params = perturbed_model(cfg)
   tokens = jax.random.randint(jax.random.key(0), (2, 6), 3, cfg.vocab_size)
   valid = jnp.ones((2, 6), bool)
   pos = positions_from_mask(valid)

@@ -9,22 +9,16 @@ import numpy as np
 import pytest
 from families import FAMILIES, family_model, family_prompts
 from flax import nnx
+from helpers import apply, decode_through_cache, graphdef_of, perturbed_model
 
-from jaxrl.models import ModelConfig, Transformer
+from jaxrl.models import ModelConfig
 from jaxrl.models.config import REMAT_POLICIES
 from jaxrl.models.transformer import (
-  apply as _apply,
-)
-from jaxrl.models.transformer import (
   apply_with_routing,
-  init_cache,
   make_model,
   positions_from_mask,
   token_logprobs,
 )
-
-# Jitted: op-by-op dispatch of a whole transformer is slow on CPU.
-apply = jax.jit(_apply, static_argnums=0)
 
 
 def _hf_qwen3(cfg: ModelConfig, params):
@@ -44,19 +38,10 @@ def _hf_qwen3(cfg: ModelConfig, params):
   return model, torch
 
 
-def _random_params(cfg, seed=0):
-  """Perturb the norm scales too, so a norm wired to the wrong place shows."""
-  graphdef, params = make_model(cfg, seed=seed)
-  leaves, treedef = jax.tree.flatten(params)
-  keys = jax.random.split(jax.random.key(seed + 1), len(leaves))
-  leaves = [x + 0.1 * jax.random.normal(k, x.shape) for x, k in zip(leaves, keys, strict=True)]
-  return graphdef, jax.tree.unflatten(treedef, leaves)
-
-
 @pytest.mark.parametrize("tie", [True, False])
 def test_logits_match_hf_qwen3_with_left_padding(tie):
   cfg = ModelConfig.tiny().replace(tie_embeddings=tie, rope_theta=1000.0)
-  graphdef, params = _random_params(cfg)
+  graphdef, params = perturbed_model(cfg)
   model, torch = _hf_qwen3(cfg, params)
   rng = np.random.default_rng(0)
   tokens = rng.integers(3, cfg.vocab_size, size=(3, 11)).astype(np.int32)
@@ -76,39 +61,20 @@ def test_logits_match_hf_qwen3_with_left_padding(tie):
 
 def test_cached_decoding_equals_full_forward():
   cfg = ModelConfig.tiny()
-  graphdef, params = _random_params(cfg)
+  graphdef, params = perturbed_model(cfg)
   b, t = 2, 9
   tokens = jax.random.randint(jax.random.key(3), (b, t), 3, cfg.vocab_size)
   valid = jnp.ones((b, t), bool).at[1, :3].set(False)
   full, _ = apply(graphdef, params, tokens, positions_from_mask(valid), valid)
 
   p = 5  # prefill the first p tokens, then feed the rest one at a time
-  cache = init_cache(cfg, b, t)
-  kv_valid = jnp.concatenate([valid[:, :p], jnp.zeros((b, t - p), bool)], axis=1)
-  pos = positions_from_mask(valid)
-  logits, cache = apply(
-    graphdef, params, tokens[:, :p], pos[:, :p], kv_valid, cache=cache, cache_index=0
-  )
-  steps = [logits]
-  for i in range(p, t):
-    kv_valid = kv_valid.at[:, i].set(valid[:, i])
-    logits, cache = apply(
-      graphdef,
-      params,
-      tokens[:, i : i + 1],
-      pos[:, i : i + 1],
-      kv_valid,
-      cache=cache,
-      cache_index=i,
-    )
-    steps.append(logits)
-  cached = jnp.concatenate(steps, axis=1)
+  cached = decode_through_cache(graphdef, params, cfg, tokens, valid, p)
   np.testing.assert_allclose(np.asarray(cached)[valid], np.asarray(full)[valid], atol=1e-5)
 
 
 def test_left_padding_does_not_change_logits():
   cfg = ModelConfig.tiny()
-  graphdef, params = _random_params(cfg)
+  graphdef, params = perturbed_model(cfg)
   seq = jax.random.randint(jax.random.key(1), (1, 6), 3, cfg.vocab_size)
   valid = jnp.ones((1, 6), bool)
   plain, _ = apply(graphdef, params, seq, positions_from_mask(valid), valid)
@@ -120,7 +86,7 @@ def test_left_padding_does_not_change_logits():
 
 def test_token_logprobs_match_log_softmax_by_hand():
   cfg = ModelConfig.tiny()
-  graphdef, params = _random_params(cfg)
+  graphdef, params = perturbed_model(cfg)
   tokens = jnp.array([[5, 9, 17, 4]])
   valid = jnp.ones_like(tokens, bool)
   logp, ent = token_logprobs(graphdef, params, tokens, valid, temperature=0.7, with_entropy=True)
@@ -189,10 +155,9 @@ def _gemma_tiny() -> ModelConfig:
 
 
 def test_sliding_window_cached_decoding_equals_full_forward():
-  from jaxrl.models.transformer import Transformer
 
   cfg = _gemma_tiny()
-  graphdef, params = _random_params(cfg)
+  graphdef, params = perturbed_model(cfg)
   b, t, p = 2, 13, 4  # prefill p tokens, then decode one at a time, well past the window
   tokens = jax.random.randint(jax.random.key(5), (b, t), 3, cfg.vocab_size)
   valid = jnp.ones((b, t), bool).at[1, :3].set(False)
@@ -200,29 +165,11 @@ def test_sliding_window_cached_decoding_equals_full_forward():
   full, _ = apply(graphdef, params, tokens, pos, valid)
   # The window must matter here, or the cache would not test it.
   unwindowed = cfg.replace(layer_types=None, sliding_window=None)
-  other_graphdef = nnx.graphdef(nnx.eval_shape(lambda: Transformer(unwindowed, rngs=nnx.Rngs(0))))
+  other_graphdef = graphdef_of(unwindowed)
   other, _ = apply(other_graphdef, params, tokens, pos, valid)
   assert np.abs(np.asarray(other - full)[np.asarray(valid)]).max() > 1e-2
 
-  cache = init_cache(cfg, b, t)
-  kv_valid = jnp.concatenate([valid[:, :p], jnp.zeros((b, t - p), bool)], axis=1)
-  logits, cache = apply(
-    graphdef, params, tokens[:, :p], pos[:, :p], kv_valid, cache=cache, cache_index=0
-  )
-  steps = [logits]
-  for i in range(p, t):
-    kv_valid = kv_valid.at[:, i].set(valid[:, i])
-    logits, cache = apply(
-      graphdef,
-      params,
-      tokens[:, i : i + 1],
-      pos[:, i : i + 1],
-      kv_valid,
-      cache=cache,
-      cache_index=i,
-    )
-    steps.append(logits)
-  cached = jnp.concatenate(steps, axis=1)
+  cached = decode_through_cache(graphdef, params, cfg, tokens, valid, p)
   np.testing.assert_allclose(np.asarray(cached)[valid], np.asarray(full)[valid], atol=1e-5)
 
 
@@ -290,32 +237,6 @@ def test_gemma3_1b_preset_shape():
   assert one + 25 * (two - one) == 999_885_952
 
 
-def _decode_through_cache(graphdef, params, cfg, tokens, valid, p):
-  """Prefill the first p columns into a contiguous cache, then feed the rest one at a time:
-  logits [B, T, V], as the full forward would give them."""
-  b, t = tokens.shape
-  pos = positions_from_mask(valid)
-  cache = init_cache(cfg, b, t)
-  kv_valid = jnp.concatenate([valid[:, :p], jnp.zeros((b, t - p), bool)], axis=1)
-  logits, cache = apply(
-    graphdef, params, tokens[:, :p], pos[:, :p], kv_valid, cache=cache, cache_index=0
-  )
-  steps = [logits]
-  for i in range(p, t):
-    kv_valid = kv_valid.at[:, i].set(valid[:, i])
-    logits, cache = apply(
-      graphdef,
-      params,
-      tokens[:, i : i + 1],
-      pos[:, i : i + 1],
-      kv_valid,
-      cache=cache,
-      cache_index=i,
-    )
-    steps.append(logits)
-  return jnp.concatenate(steps, axis=1)
-
-
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_cached_decoding_equals_full_forward_per_family(family):
   cfg, graphdef, params = family_model(family)
@@ -323,7 +244,7 @@ def test_cached_decoding_equals_full_forward_per_family(family):
   tokens = jnp.asarray(np.array(family_prompts(family, [t] * b)), jnp.int32)
   valid = jnp.ones((b, t), bool).at[1, :3].set(False).at[2, :6].set(False)  # left padding
   full, _ = apply(graphdef, params, tokens, positions_from_mask(valid), valid)
-  cached = _decode_through_cache(graphdef, params, cfg, tokens, valid, p)
+  cached = decode_through_cache(graphdef, params, cfg, tokens, valid, p)
   np.testing.assert_allclose(np.asarray(cached)[valid], np.asarray(full)[valid], atol=1e-5, rtol=0)
 
 
@@ -332,9 +253,7 @@ def test_cached_decoding_equals_full_forward_per_family(family):
 
 def _graphdef(cfg: ModelConfig, **overrides) -> nnx.GraphDef:
   """The graphdef of `cfg` with `overrides`; the params of `cfg` fit it unchanged."""
-  return nnx.graphdef(
-    nnx.eval_shape(lambda: Transformer(cfg.replace(**overrides), rngs=nnx.Rngs(0)))
-  )
+  return graphdef_of(cfg.replace(**overrides))
 
 
 def _gemma_pattern_model():
@@ -351,12 +270,12 @@ def _gemma_pattern_model():
     ),
     rope_scaling=RopeScaling("linear", 4.0),
   )
-  return (cfg, *_random_params(cfg, seed=5))
+  return (cfg, *perturbed_model(cfg, seed=5))
 
 
 def _lora_model():
   cfg = family_model("qwen3")[0].replace(num_layers=3, lora_rank=3)
-  return (cfg, *_random_params(cfg, seed=6))  # the B factors perturbed away from zero
+  return (cfg, *perturbed_model(cfg, seed=6))  # the B factors perturbed away from zero
 
 
 _SCAN_MODELS = {
@@ -411,7 +330,7 @@ def test_scan_layers_config_still_decodes_through_the_cache_as_the_full_forward(
   graphdef = _graphdef(cfg, scan_layers=True, remat="full")
   tokens, valid = _rows(cfg)
   full, _ = apply(graphdef, params, tokens, positions_from_mask(valid), valid)
-  cached = _decode_through_cache(graphdef, params, cfg, tokens, valid, 4)
+  cached = decode_through_cache(graphdef, params, cfg, tokens, valid, 4)
   np.testing.assert_allclose(np.asarray(cached)[valid], np.asarray(full)[valid], atol=1e-5, rtol=0)
 
 

@@ -1,14 +1,10 @@
 """GroupSampler: engine group rollouts packed as the v0 sampler's Rollout, slot-count invariant."""
 
-import functools
-
 import jax
-import jax.numpy as jnp
 import numpy as np
-from flax import nnx
+from helpers import tiny_model
 
 from jaxrl.mesh import make_mesh, shard_params
-from jaxrl.models import ModelConfig, Transformer
 from jaxrl.rollout.collect import GroupSampler, left_pad
 from jaxrl.rollout.reference import make_sampler, row_keys
 from jaxrl.rollout.sampling import SamplingParams
@@ -18,23 +14,8 @@ P, N, PAD, EOS = 8, 6, 0, 2
 PROMPTS = [[1, 5, 9, 17], [1, 40, 41, 42, 43, 44, 45, 46], [1, 100]]
 
 
-@functools.cache
-def _model():
-  # Random weights drawn in numpy, far from uniform outputs (see tests/rollout/reference_test.py).
-  cfg = ModelConfig.tiny()
-  graphdef, abstract = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0))))
-  rng = np.random.default_rng(1)
-
-  def draw(path, leaf):
-    z = rng.normal(size=leaf.shape)
-    is_scale = "'scale'" in jax.tree_util.keystr(path)
-    return jnp.asarray(1.0 + 0.1 * z if is_scale else 0.15 * z, leaf.dtype)
-
-  return cfg, graphdef, jax.tree_util.tree_map_with_path(draw, abstract)
-
-
 def _group_sampler(slots, sampling, mesh=None):
-  cfg, graphdef, _ = _model()
+  cfg, graphdef, _ = tiny_model(1)
   return GroupSampler(
     cfg,
     graphdef,
@@ -51,7 +32,7 @@ def _group_sampler(slots, sampling, mesh=None):
 
 
 def test_greedy_group_rollout_equals_the_v0_sampler():
-  cfg, graphdef, params = _model()
+  cfg, graphdef, params = tiny_model(1)
   g = 2
   sampler = _group_sampler(6, SamplingParams(temperature=0.0))
   out, stats = sampler(params, PROMPTS, group_size=g, seed=0, version=5)
@@ -84,7 +65,7 @@ def test_greedy_group_rollout_equals_the_v0_sampler():
 
 
 def test_sampled_rollout_does_not_depend_on_slot_count():
-  _, _, params = _model()
+  _, _, params = tiny_model(1)
   sampling = SamplingParams(temperature=1.0)
   wide, _ = _group_sampler(12, sampling)(params, PROMPTS, group_size=4, seed=7)
   narrow, stats = _group_sampler(5, sampling)(params, PROMPTS, group_size=4, seed=7)
@@ -111,7 +92,7 @@ def test_mesh_placed_params_compile_once_per_shape_across_rounds():
   """Params sharded as the RL loop places them (fsdp x tensor over the 8 test devices): the
   decode state is born on the mesh with the shardings every call returns, so three rounds add
   no program after the first, and they sample exactly what the engine off the mesh does."""
-  _, _, params = _model()
+  _, _, params = tiny_model(1)
   mesh = make_mesh(fsdp=4, tensor=2)
   sharded = shard_params(params, mesh, "fsdp_tp")
   sampling = SamplingParams(temperature=1.0)

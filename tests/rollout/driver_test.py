@@ -3,22 +3,14 @@ learner log-prob parity and compile counts."""
 
 import functools
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
+from helpers import greedy_completions, tiny_model, token_logprobs
 
-from jaxrl.models import ModelConfig, Transformer
-from jaxrl.models.transformer import apply as _apply
-from jaxrl.models.transformer import token_logprobs as _token_logprobs
 from jaxrl.rollout.driver import Driver, Request, complete_groups
 from jaxrl.rollout.engine import Engine
 from jaxrl.rollout.sampling import SamplingParams
 from jaxrl.tokenizer import ByteTokenizer
-
-apply = jax.jit(_apply, static_argnums=0)
-token_logprobs = jax.jit(_token_logprobs, static_argnums=0)
 
 S = 40
 GREEDY = SamplingParams(temperature=0.0)
@@ -27,23 +19,8 @@ TOK = ByteTokenizer()
 
 
 @functools.cache
-def _model():
-  """The tiny model with numpy-drawn weights (see engine_test: far from uniform, fast to build)."""
-  cfg = ModelConfig.tiny()
-  graphdef, abstract = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0))))
-  rng = np.random.default_rng(0)
-
-  def draw(path, leaf):
-    z = rng.normal(size=leaf.shape)
-    is_scale = "'scale'" in jax.tree_util.keystr(path)
-    return jnp.asarray(1.0 + 0.1 * z if is_scale else 0.15 * z, leaf.dtype)
-
-  return cfg, graphdef, jax.tree_util.tree_map_with_path(draw, abstract)
-
-
-@functools.cache
 def _engine() -> Engine:
-  cfg, graphdef, _ = _model()
+  cfg, graphdef, _ = tiny_model()
   # 16 pages of 4 tokens: room for about two sequences of 20 + 10 at once, with 3 slots.
   return Engine(
     cfg,
@@ -77,7 +54,7 @@ def _requests(n_groups=2, g=3, n_single=4, max_new=10):
 
 
 def _learner_logprobs(prompt, completion, temperature):
-  _, graphdef, params = _model()
+  _, graphdef, params = tiny_model()
   seq = list(prompt) + list(completion)
   tokens = np.zeros((1, S), np.int32)
   tokens[0, : len(seq)] = seq
@@ -88,13 +65,8 @@ def _learner_logprobs(prompt, completion, temperature):
 
 
 def _greedy_reference(prompt, n):
-  _, graphdef, params = _model()
-  seq = list(prompt)
-  for _ in range(n):
-    tokens = jnp.asarray([seq + [0] * (S - len(seq))], jnp.int32)
-    logits, _ = apply(graphdef, params, tokens, jnp.arange(S)[None], jnp.ones((1, S), bool))
-    seq.append(int(jnp.argmax(logits[0, len(seq) - 1])))
-  return seq[len(prompt) :]
+  _, graphdef, params = tiny_model()
+  return greedy_completions(graphdef, params, [prompt], n, S)[0][0].tolist()
 
 
 def _check_logprobs(c, sampling):
@@ -104,7 +76,7 @@ def _check_logprobs(c, sampling):
 
 
 def test_more_requests_than_pages_are_queued_and_all_finish():
-  eng, (_, _, params) = _engine(), _model()
+  eng, (_, _, params) = _engine(), tiny_model()
   # No EOS, so every sequence runs to max_new_tokens and the page budget really binds.
   driver = Driver(eng, steps_per_call=4, eos_id=None, tokenizer=TOK)
   reqs = _requests()
@@ -133,7 +105,7 @@ def test_more_requests_than_pages_are_queued_and_all_finish():
 
 
 def test_stop_token_and_stop_string():
-  eng, (_, _, params) = _engine(), _model()
+  eng, (_, _, params) = _engine(), tiny_model()
   prompt = _prompt(3)
   greedy = _greedy_reference(prompt, 10)
   # EOS = the 5th greedy token (first occurrence): the sequence stops there, EOS included.
@@ -156,7 +128,7 @@ def test_stop_token_and_stop_string():
 
 
 def test_abort_returns_partial_sequences_intact():
-  eng, (_, _, params) = _engine(), _model()
+  eng, (_, _, params) = _engine(), tiny_model()
   driver = Driver(eng, steps_per_call=4, eos_id=None)
   reqs = _requests(n_groups=3, g=2, n_single=2, max_new=25)
   res = driver.run(params, reqs, policy_version=2, seed=5, stop_when=complete_groups(1))
@@ -175,7 +147,7 @@ def test_abort_returns_partial_sequences_intact():
 
 
 def test_bad_requests_fail_before_any_work():
-  eng, (_, _, params) = _engine(), _model()
+  eng, (_, _, params) = _engine(), tiny_model()
   driver = Driver(eng)
   calls = eng.stats["prefill_calls"]
   too_long = [
@@ -204,7 +176,7 @@ def test_bad_requests_fail_before_any_work():
 
 
 def test_static_batching_matches_continuous_and_waits_for_whole_batches(monkeypatch):
-  eng, (_, _, params) = _engine(), _model()
+  eng, (_, _, params) = _engine(), tiny_model()
   # Long-tailed lengths (per-request max_new_tokens, no EOS), groups and sampled singles.
   reqs, rid = [], 0
   for k, n in enumerate([2, 12, 3, 5, 1, 9, 4]):

@@ -16,18 +16,12 @@ from families import (
   learner_logprobs,
   right_padded,
 )
-from flax import nnx
+from helpers import apply, tiny_model, token_logprobs
 
 from jaxrl.mesh import make_mesh, shard_params
-from jaxrl.models import ModelConfig, Transformer
-from jaxrl.models.transformer import apply as _apply
-from jaxrl.models.transformer import token_logprobs as _token_logprobs
 from jaxrl.rollout.engine import Engine, request_key
 from jaxrl.rollout.kv_cache import OutOfPages
 from jaxrl.rollout.sampling import SamplingParams
-
-apply = jax.jit(_apply, static_argnums=0)
-token_logprobs = jax.jit(_token_logprobs, static_argnums=0)
 
 S = 40  # max prompt + completion
 GREEDY = SamplingParams(temperature=0.0)
@@ -38,24 +32,8 @@ PROMPTS[14] = [(7 * i) % 250 + 3 for i in range(17)]
 
 
 @functools.cache
-def _model():
-  """The tiny model (graphdef as make_model builds it) with numpy-drawn weights, larger than at
-  init so outputs are far from uniform (jax.random init compiles a kernel per leaf shape)."""
-  cfg = ModelConfig.tiny()
-  graphdef, abstract = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0))))
-  rng = np.random.default_rng(0)
-
-  def draw(path, leaf):
-    z = rng.normal(size=leaf.shape)
-    is_scale = "'scale'" in jax.tree_util.keystr(path)
-    return jnp.asarray(1.0 + 0.1 * z if is_scale else 0.15 * z, leaf.dtype)
-
-  return cfg, graphdef, jax.tree_util.tree_map_with_path(draw, abstract)
-
-
-@functools.cache
 def _engine(slots: int = 3, chunk: int = 8, num_pages: int = 40) -> Engine:
-  cfg, graphdef, _ = _model()
+  cfg, graphdef, _ = tiny_model()
   return Engine(
     cfg,
     graphdef,
@@ -71,7 +49,7 @@ def _engine(slots: int = 3, chunk: int = 8, num_pages: int = 40) -> Engine:
 def _reference_greedy(prompt, n):
   """Repeated full forward (no cache) + argmax; one [1, S] shape: columns past the sequence are
   in the causal future of every row that is read."""
-  _, graphdef, params = _model()
+  _, graphdef, params = tiny_model()
   seq = list(prompt)
   for _ in range(n):
     tokens = jnp.asarray([seq + [0] * (S - len(seq))], jnp.int32)
@@ -81,7 +59,7 @@ def _reference_greedy(prompt, n):
 
 
 def _learner_logprobs(prompt, completion, temperature=1.0):
-  _, graphdef, params = _model()
+  _, graphdef, params = tiny_model()
   seq = list(prompt) + list(completion)
   tokens = np.zeros((1, S), np.int32)
   tokens[0, : len(seq)] = seq
@@ -95,7 +73,7 @@ def _run(eng, schedule, n_new, sampler, seed=0, steps=3, params=None, prompts=PR
   per `steps` decode steps, so requests join while others are mid-sequence. Returns
   {request_id: (tokens, logprobs)} and checks every page is back afterwards. Default: the tiny
   model's params and PROMPTS."""
-  params = _model()[2] if params is None else params
+  params = tiny_model()[2] if params is None else params
   st = eng.init_decode_state()
   out, owner = {}, {}
   todo = list(schedule)
@@ -165,7 +143,7 @@ def test_sampling_independent_of_slot_batch_and_slot_count():
 
 
 def test_chunked_prefill_equals_unchunked():
-  _, _, params = _model()
+  _, _, params = tiny_model()
   chunked, whole = _engine(), _engine(2, 32)
   for rid in (11, 14):
     pa, ra = chunked.prefill_prompt(params, PROMPTS[rid], sampler=GREEDY, max_new_tokens=4)
@@ -185,7 +163,7 @@ def test_chunked_prefill_equals_unchunked():
 
 
 def test_group_prefill_once_and_pages_shared_by_refcount():
-  _, _, params = _model()
+  _, _, params = tiny_model()
   eng = _engine(5)
   st = eng.init_decode_state()
   prompt, g, n_new = PROMPTS[14], 4, 6  # 17 tokens: 4 full pages + 1 token on a fifth
@@ -222,7 +200,7 @@ def test_group_prefill_once_and_pages_shared_by_refcount():
 
 
 def _run_alone(eng, prompt, key, n_new):
-  _, _, params = _model()
+  _, _, params = tiny_model()
   st = eng.init_decode_state()
   prefix, first = eng.prefill_prompt(
     params, prompt, sampler=SAMPLED, rng=key[None], max_new_tokens=n_new
@@ -251,7 +229,7 @@ def test_multi_group_prefill_equals_per_group_prefills():
   """Three groups (G = 3, 1, 2) of whole prompts in ONE prefill call and ONE insert: the same
   first tokens, KV pages and continuations as each group prefilled and inserted alone, and
   shared prompt pages held by every sample of their group."""
-  _, _, params = _model()
+  _, _, params = tiny_model()
   prompts = [PROMPTS[13], PROMPTS[10], [9, 8, 7, 6, 5]]  # 8, 3, 5 tokens: one length bucket
   counts, n_new, seed = [3, 1, 2], 5, 11
   rids = [[100 * i + j for j in range(g)] for i, g in enumerate(counts)]
@@ -322,7 +300,7 @@ def test_multi_group_prefill_compiles_once_per_bucket():
   """prefill_batch pads the prompt count, sample count and length to buckets: batches of other
   prompts in the same buckets reuse the program, and insert_batch compiles once per slot-count
   bucket."""
-  _, _, params = _model()
+  _, _, params = tiny_model()
   eng = _engine(8, 8, 64)
   sizes = []
   for shift in range(3):
@@ -364,7 +342,7 @@ def test_multi_group_prefill_compiles_once_per_bucket():
 
 
 def test_out_of_pages_and_bad_requests():
-  _, _, params = _model()
+  _, _, params = tiny_model()
   eng = _engine(3, 8, 6)  # 6 pages of 4 tokens
   st = eng.init_decode_state()
   prefix, _ = eng.prefill_prompt(params, PROMPTS[13], sampler=GREEDY, max_new_tokens=20)
@@ -378,7 +356,7 @@ def test_out_of_pages_and_bad_requests():
   with pytest.raises(ValueError, match="max_target_length of 40"):
     eng.prefill_prompt(params, PROMPTS[13], sampler=GREEDY, max_new_tokens=33)
   with pytest.raises(ValueError, match="prefill_chunk_size"):
-    cfg, graphdef, _ = _model()
+    cfg, graphdef, _ = tiny_model()
     Engine(
       cfg,
       graphdef,
@@ -396,7 +374,7 @@ def test_engine_api_surface():
   assert eng.max_concurrent_decodes == 3 and eng.samples_per_slot == 1
   assert eng.max_prefill_length == 20 and eng.prefill_chunk_size == 8
   assert eng.mesh is None and eng.colocated_cpus is None and eng.get_tokenizer() is None
-  _, _, params = _model()
+  _, _, params = tiny_model()
   assert eng.load_params(params) is params  # the learner's arrays, no copy
   # One step through `generate` (not the multi-step variant) on an idle state: nothing valid.
   st, res = eng.generate(params, eng.init_decode_state())
@@ -447,7 +425,7 @@ def test_paged_decoding_matches_no_cache_and_learner_per_family(family):
 
 def test_generate_steps_stops_once_no_slot_is_active():
   """A call of 10 steps whose only request needs 3 more tokens runs 3 forwards, not 10."""
-  cfg, graphdef, params = _model()
+  cfg, graphdef, params = tiny_model()
   eng = Engine(
     cfg, graphdef, max_concurrent_decodes=2, num_pages=20, page_size=4, max_prefill_length=8
   )
@@ -479,7 +457,7 @@ def test_generate_steps_stops_once_no_slot_is_active():
 
 def test_chunked_prefill_compiles_once_for_all_chunks():
   """Every chunk of a long prompt has the chunk's shape and the prompt's cache: one program."""
-  cfg, graphdef, params = _model()
+  cfg, graphdef, params = tiny_model()
   eng = Engine(
     cfg,
     graphdef,
@@ -501,7 +479,7 @@ def test_mesh_placed_params_compile_once_across_runs_with_fresh_states():
   prompt's empty cache are born with the shardings the jitted calls return, so a decode step
   compiles once (even when it meets a fresh state first) and prefill / insert add no program
   after the first run; the tokens are those of the same engine off the mesh."""
-  cfg, graphdef, params = _model()
+  cfg, graphdef, params = tiny_model()
   mesh = make_mesh(fsdp=4, tensor=2)
   sharded = shard_params(params, mesh, "fsdp_tp")
   eng = Engine(

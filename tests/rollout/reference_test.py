@@ -14,18 +14,11 @@ from families import (
   greedy_reference,
   learner_logprobs,
 )
-from flax import nnx
+from helpers import apply, tiny_model, token_logprobs
 
-from jaxrl.models import ModelConfig, Transformer
-from jaxrl.models.transformer import apply as _apply
-from jaxrl.models.transformer import token_logprobs as _token_logprobs
 from jaxrl.rollout.collect import left_pad
 from jaxrl.rollout.reference import make_sampler, row_keys
 from jaxrl.rollout.sampling import SamplingParams
-
-# Jitted: op-by-op dispatch of a whole transformer is slow on CPU. `temperature` stays traced.
-apply = jax.jit(_apply, static_argnums=0)
-token_logprobs = jax.jit(_token_logprobs, static_argnums=0)
 
 P, N, PAD = 8, 8, 0  # prompt bucket, max new tokens, pad id
 # Different lengths, so rows carry different amounts of left padding (none for the full one).
@@ -35,25 +28,8 @@ NO_EOS = -1
 
 
 @functools.cache
-def _model():
-  """The tiny model's graphdef with random weights drawn in numpy, larger than at init and with
-  norm scales off 1 so that outputs are far from uniform. (jax.random init compiles a threefry
-  kernel per leaf shape, seconds of CPU; the graphdef is the one make_model builds.)"""
-  cfg = ModelConfig.tiny()
-  graphdef, abstract = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0))))
-  rng = np.random.default_rng(0)
-
-  def draw(path, leaf):
-    z = rng.normal(size=leaf.shape)
-    is_scale = "'scale'" in jax.tree_util.keystr(path)
-    return jnp.asarray(1.0 + 0.1 * z if is_scale else 0.15 * z, leaf.dtype)
-
-  return cfg, graphdef, jax.tree_util.tree_map_with_path(draw, abstract)
-
-
-@functools.cache
 def _sampler(temperature: float, eos_id: int):
-  cfg, graphdef, _ = _model()
+  cfg, graphdef, _ = tiny_model()
   filters = dict(top_k=TOP_K, top_p=TOP_P) if temperature else {}
   sampling = SamplingParams(temperature=temperature, **filters)
   return make_sampler(
@@ -65,7 +41,7 @@ def _logits_of_one(seq, length):
   """Plain full forward (no cache) over one sequence [1, S] whose real tokens sit at [0, length):
   logits [S, V]. The filler columns after them are masked keys and in the causal future, so rows
   < length are those of the unpadded sequence; one shape keeps this to a single compile."""
-  _, graphdef, params = _model()
+  _, graphdef, params = tiny_model()
   s = seq.shape[1]
   logits, _ = apply(graphdef, params, seq, np.arange(s)[None], np.arange(s)[None] < length)
   return np.asarray(logits[0])
@@ -131,7 +107,7 @@ def _check_rollout(r, prompt_tokens, prompt_mask, eos_id):
 
 def _learner_logprobs(r, temperature):
   """token_logprobs over concat(prompt, completion) on the completion columns."""
-  _, graphdef, params = _model()
+  _, graphdef, params = tiny_model()
   full = jnp.concatenate([r.prompt_tokens, r.tokens], axis=1)
   valid = jnp.concatenate([r.prompt_mask, r.mask], axis=1)
   return np.asarray(token_logprobs(graphdef, params, full, valid, temperature=temperature))[:, P:]
@@ -146,7 +122,7 @@ def _assert_sampler_learner_agree(r, temperature):
 def test_greedy_matches_no_cache_reference_and_stops_at_eos():
   stop_row, eos, refs, gap = _greedy_case()
   assert gap > 1e-3, "argmax too close to a tie to compare two code paths"
-  _, _, params = _model()
+  _, _, params = tiny_model()
   tokens, mask, keys = _batch(PROMPTS, 0, range(4))
   r = _sampler(0.0, eos)(params, tokens, mask, keys)
   _check_rollout(r, tokens, mask, eos)
@@ -162,7 +138,7 @@ def test_greedy_matches_no_cache_reference_and_stops_at_eos():
 
 def test_greedy_rows_follow_their_prompts_when_permuted():
   _, eos, refs, _ = _greedy_case()
-  _, _, params = _model()
+  _, _, params = tiny_model()
   perm = [2, 0, 3, 1]
   tokens, mask, keys = _batch([PROMPTS[i] for i in perm], 0, range(4))
   r = _sampler(0.0, eos)(params, tokens, mask, keys)
@@ -175,7 +151,7 @@ def test_greedy_rows_follow_their_prompts_when_permuted():
 
 def test_decoding_stops_early_when_every_row_hit_eos():
   stop_row, eos, refs, _ = _greedy_case()
-  _, _, params = _model()
+  _, _, params = tiny_model()
   tokens, mask, keys = _batch([PROMPTS[stop_row]] * 4, 0, range(4))
   r = _sampler(0.0, eos)(params, tokens, mask, keys)
   _check_rollout(r, tokens, mask, eos)
@@ -196,7 +172,7 @@ def _nucleus_rank(logits, token, temperature):
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_behaviour_logprobs_equal_learner_logprobs(temperature):
-  _, _, params = _model()
+  _, _, params = tiny_model()
   tokens, mask, keys = _batch(PROMPTS, 7, [10, 11, 12, 13])
   r = _sampler(temperature, 2)(params, tokens, mask, keys)
   _check_rollout(r, tokens, mask, 2)
@@ -213,7 +189,7 @@ def test_behaviour_logprobs_equal_learner_logprobs(temperature):
 
 
 def test_sampling_is_independent_of_batch_composition():
-  _, _, params = _model()
+  _, _, params = tiny_model()
   sample = _sampler(0.7, 2)
   tokens, mask, keys = _batch(PROMPTS, 3, [10, 11, 12, 13])
   full = sample(params, tokens, mask, keys)
@@ -235,7 +211,7 @@ def test_sampling_is_independent_of_batch_composition():
 
 
 def test_new_prompts_keys_and_params_do_not_recompile():
-  _, _, params = _model()
+  _, _, params = tiny_model()
   sample = _sampler(1.0, 2)
   rng = np.random.default_rng(0)
   seen = set()
@@ -251,7 +227,7 @@ def test_new_prompts_keys_and_params_do_not_recompile():
 
 
 def test_make_sampler_rejects_sequences_past_max_seq_len():
-  cfg, graphdef, _ = _model()
+  cfg, graphdef, _ = tiny_model()
   kw = dict(eos_id=2, pad_id=PAD, sampling=SamplingParams())
   with pytest.raises(ValueError, match="max_seq_len"):
     make_sampler(graphdef, cfg, prompt_len=cfg.max_seq_len - 10, max_new_tokens=11, **kw)

@@ -1,0 +1,126 @@
+"""Shared test fixtures: jitted forwards, tiny random models, greedy and cached decoding."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxrl.models import ModelConfig, Transformer
+from jaxrl.models.transformer import apply as _apply
+from jaxrl.models.transformer import init_cache, make_model, positions_from_mask
+from jaxrl.models.transformer import token_logprobs as _token_logprobs
+
+# Jitted with the graphdef static: an eager forward dispatches op by op and is slow on CPU.
+# `temperature` stays traced.
+apply = jax.jit(_apply, static_argnums=0)
+token_logprobs = jax.jit(_token_logprobs, static_argnums=0)
+
+
+def graphdef_of(cfg: ModelConfig) -> nnx.GraphDef:
+  """The graphdef `make_model(cfg)` builds, without drawing any weights."""
+  return nnx.graphdef(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0))))
+
+
+def numpy_model(cfg: ModelConfig, seed: int = 0, *, zero_lora_b: bool = True):
+  """(graphdef, params) of `cfg` with weights drawn in numpy (jax.random init compiles a kernel
+  per leaf shape, seconds of CPU). Larger than at init, so outputs are far from uniform; norm
+  scales (zero-centred ones around 0) are perturbed, so a misplaced one shows. LoRA B is zero
+  (a fresh adapter) unless zero_lora_b=False."""
+  graphdef, abstract = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0))))
+  rng = np.random.default_rng(seed)
+  centre = 0.0 if cfg.zero_centered_norms else 1.0
+
+  def draw(path, leaf):
+    z = rng.normal(size=leaf.shape)  # drawn for every leaf, so zeroing B moves no other draw
+    key = jax.tree_util.keystr(path)
+    if zero_lora_b and "['b']" in key:
+      return jnp.zeros(leaf.shape, leaf.dtype)
+    return jnp.asarray(centre + 0.1 * z if "'scale'" in key else 0.15 * z, leaf.dtype)
+
+  return graphdef, jax.tree_util.tree_map_with_path(draw, abstract)
+
+
+@functools.cache
+def tiny_model(seed: int = 0):
+  """(cfg, graphdef, params): `ModelConfig.tiny()` with `numpy_model` weights."""
+  cfg = ModelConfig.tiny()
+  return (cfg, *numpy_model(cfg, seed))
+
+
+def perturbed_model(cfg: ModelConfig, seed: int = 0):
+  """(graphdef, params): `make_model`'s init with every leaf (norm scales too) moved by 0.1 x
+  N(0, 1), so a norm wired to the wrong place shows."""
+  graphdef, params = make_model(cfg, seed=seed)
+  leaves, treedef = jax.tree.flatten(params)
+  keys = jax.random.split(jax.random.key(seed + 1), len(leaves))
+  leaves = [x + 0.1 * jax.random.normal(k, x.shape) for x, k in zip(leaves, keys, strict=True)]
+  return graphdef, jax.tree.unflatten(treedef, leaves)
+
+
+def decode_through_cache(graphdef, params, cfg: ModelConfig, tokens, valid, p: int):
+  """Prefill the first p columns of tokens [B, T] into a contiguous cache, then feed the rest one
+  at a time: logits [B, T, V], as the full forward would give them."""
+  b, t = tokens.shape
+  pos = positions_from_mask(valid)
+  cache = init_cache(cfg, b, t)
+  kv_valid = jnp.concatenate([valid[:, :p], jnp.zeros((b, t - p), bool)], axis=1)
+  logits, cache = apply(
+    graphdef, params, tokens[:, :p], pos[:, :p], kv_valid, cache=cache, cache_index=0
+  )
+  steps = [logits]
+  for i in range(p, t):
+    kv_valid = kv_valid.at[:, i].set(valid[:, i])
+    logits, cache = apply(
+      graphdef,
+      params,
+      tokens[:, i : i + 1],
+      pos[:, i : i + 1],
+      kv_valid,
+      cache=cache,
+      cache_index=i,
+    )
+    steps.append(logits)
+  return jnp.concatenate(steps, axis=1)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def greedy_rows(graphdef, params, tokens, lengths, n):
+  """n argmax steps, each a full forward over the whole [B, S] row (no cache); the filler
+  columns are in the causal future of every position read. Returns (tokens, min top-2 gap [B])."""
+  b, s = tokens.shape
+  positions = jnp.broadcast_to(jnp.arange(s), (b, s))
+
+  def step(i, carry):
+    tokens, gap = carry
+    length = lengths + i
+    logits, _ = _apply(graphdef, params, tokens, positions, jnp.arange(s)[None] < length[:, None])
+    last = jnp.take_along_axis(logits, (length - 1)[:, None, None], axis=1)[:, 0]  # [B, V]
+    top2 = jax.lax.top_k(last, 2)[0]
+    tokens = tokens.at[jnp.arange(b), length].set(jnp.argmax(last, axis=-1).astype(tokens.dtype))
+    return tokens, jnp.minimum(gap, top2[:, 0] - top2[:, 1])
+
+  return jax.lax.fori_loop(0, n, step, (tokens, jnp.full((b,), jnp.inf)))
+
+
+def right_padded(seqs, width: int) -> tuple[np.ndarray, np.ndarray]:
+  """Sequences laid out in [B, width] rows from column 0: (tokens int32, valid bool)."""
+  tokens = np.zeros((len(seqs), width), np.int32)
+  for b, seq in enumerate(seqs):
+    tokens[b, : len(seq)] = seq
+  return tokens, np.arange(width)[None] < np.array([len(s) for s in seqs])[:, None]
+
+
+def greedy_completions(graphdef, params, prompts, n: int, width: int):
+  """Argmax decoding of each unpadded prompt by repeated full forwards over [B, width] rows:
+  (completions [B, n], the smallest top-1 vs top-2 logit gap met, so callers can refuse a
+  near tie)."""
+  if max(len(p) for p in prompts) + n > width:
+    raise ValueError(f"prompt + {n} tokens exceed the row width {width}")
+  tokens, _ = right_padded(prompts, width)
+  lengths = np.array([len(p) for p in prompts], np.int32)
+  out, gap = greedy_rows(graphdef, params, tokens, lengths, np.int32(n))
+  out = np.asarray(out)
+  completions = np.stack([out[b, k : k + n] for b, k in enumerate(lengths)])
+  return completions, float(np.min(gap))
