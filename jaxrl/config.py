@@ -198,7 +198,7 @@ class RolloutConfig:
     "none",
     choices=("none", "int8"),
     help="int8: sample from a W8A8 copy of the policy made at every step (jaxrl.quant); the "
-    "sampler-learner gap shows in rl/logprob_gap, rl.is_correction corrects it",
+    "sampler-learner gap shows in rl/logprob_gap, rl.offpolicy.is_correction corrects it",
   )
 
 
@@ -377,7 +377,7 @@ class EvalConfig:
   num_samples: int = _field(
     0,
     lo=0,
-    help="also sample this many completions per held-out prompt at rl.temperature: "
+    help="also sample this many completions per held-out prompt at rl.sampling.temperature: "
     "eval/sampled_accuracy, the expected reward RL maximises (greedy accuracy can sit at its "
     "ceiling while it still moves); 0 = off",
   )
@@ -525,7 +525,7 @@ def complete(cfg):
 
 
 def unknown_field_message(path: str) -> str | None:
-  """None if `path` ("rl.beta") is a field or section of `Config`; otherwise an error naming
+  """None if `path` ("rl.kl.beta") is a field or section of `Config`; otherwise an error naming
   the full path and the closest valid ones: a near spelling in the same section, the same name
   in another section, or else the section's fields."""
   paths = field_paths()
