@@ -15,7 +15,7 @@ from pathlib import Path
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from launch.export import PHASES, ExportError, _parse_flags
+from launch.export import PHASES, ExportError, parse_flags
 
 
 def evaluate(config, *, phase: str = "latest") -> dict:
@@ -80,4 +80,4 @@ def main(argv):
 
 if __name__ == "__main__":
   _define_flags()
-  app.run(main, flags_parser=_parse_flags)
+  app.run(main, flags_parser=parse_flags)

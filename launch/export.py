@@ -111,7 +111,7 @@ def _define_flags() -> None:
   flags.mark_flags_as_required(["config", "out"])
 
 
-def _parse_flags(argv):
+def parse_flags(argv):
   """absl parsing, with config_flags' errors (unknown or mistyped field) as one clear line."""
   try:
     return flags.FLAGS(argv)
@@ -138,4 +138,4 @@ def main(argv):
 
 if __name__ == "__main__":
   _define_flags()
-  app.run(main, flags_parser=_parse_flags)
+  app.run(main, flags_parser=parse_flags)
