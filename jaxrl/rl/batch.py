@@ -39,22 +39,39 @@ class TrainBatch(NamedTuple):
     return self.tokens.shape[0]
 
 
-def from_rollout(rollout, advantages, *, ref_logprobs=None) -> TrainBatch:
-  """Join a Rollout's prompt and completion columns; broadcast per-sequence advantages [B].
+def rollout_columns(rollout, row_weight=None) -> dict[str, np.ndarray]:
+  """The TrainBatch's token columns of a Rollout, on the host: tokens, valid, the completion
+  mask (`mask`, unweighted), `loss_mask` (times the per-row `row_weight` [B], if given), the
+  behaviour log-probs and the per-token versions (-1 off the loss tokens). Each completion
+  token keeps the policy version that sampled it (`Rollout.versions`), so a sequence continued
+  across updates carries its own staleness per token."""
+  prompt_tokens, rollout_mask = np.asarray(rollout.prompt_tokens), np.asarray(rollout.mask)
+  b, p = prompt_tokens.shape
+  mask = np.concatenate([np.zeros((b, p), bool), rollout_mask], axis=1).astype(np.float32)
+  versions = np.concatenate([np.full((b, p), -1, np.int32), np.asarray(rollout.versions)], axis=1)
+  weight = np.ones(b, np.float32) if row_weight is None else np.asarray(row_weight, np.float32)
+  return {
+    "tokens": np.concatenate([prompt_tokens, np.asarray(rollout.tokens)], axis=1).astype(np.int32),
+    "valid": np.concatenate([np.asarray(rollout.prompt_mask), rollout_mask], axis=1),
+    "mask": mask,
+    "loss_mask": mask * weight[:, None],
+    "old_logprobs": np.concatenate(
+      [np.zeros((b, p), np.float32), np.asarray(rollout.logprobs, np.float32)], axis=1
+    ),
+    "versions": np.where(mask > 0, versions, -1).astype(np.int32),
+  }
 
-  Each completion token keeps the policy version that sampled it (`Rollout.versions`), so a
-  sequence continued across updates carries its own staleness per token.
-  """
-  tokens = jnp.concatenate([rollout.prompt_tokens, rollout.tokens], axis=1)
-  valid = jnp.concatenate([rollout.prompt_mask, rollout.mask], axis=1)
-  b, p = rollout.prompt_tokens.shape
-  loss_mask = jnp.concatenate([jnp.zeros((b, p), bool), rollout.mask], axis=1).astype(jnp.float32)
-  old = jnp.concatenate([jnp.zeros((b, p), jnp.float32), rollout.logprobs], axis=1)
+
+def from_rollout(rollout, advantages, *, ref_logprobs=None) -> TrainBatch:
+  """A TrainBatch of a Rollout's columns (`rollout_columns`) with per-sequence advantages [B]
+  broadcast over each row's loss tokens, and the reference log-probs masked the same way."""
+  cols = {k: jnp.asarray(v) for k, v in rollout_columns(rollout).items()}
+  loss_mask = cols["loss_mask"]
   adv = jnp.asarray(advantages, jnp.float32)[:, None] * loss_mask
-  ref = jnp.zeros_like(old) if ref_logprobs is None else ref_logprobs * loss_mask
-  versions = jnp.concatenate([jnp.full((b, p), -1, jnp.int32), rollout.versions], axis=1)
-  versions = jnp.where(loss_mask > 0, versions, -1).astype(jnp.int32)
-  return TrainBatch(tokens, valid, loss_mask, adv, old, ref, versions)
+  ref = jnp.zeros_like(loss_mask) if ref_logprobs is None else ref_logprobs * loss_mask
+  return TrainBatch(
+    cols["tokens"], cols["valid"], loss_mask, adv, cols["old_logprobs"], ref, cols["versions"]
+  )
 
 
 def supervised(

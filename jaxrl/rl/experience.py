@@ -23,7 +23,7 @@ from jaxrl.models.transformer import token_logprobs
 from jaxrl.quant import Quantizer
 from jaxrl.rl.advantages import ESTIMATORS
 from jaxrl.rl.allocation import fill_groups, informative_groups
-from jaxrl.rl.batch import TrainBatch
+from jaxrl.rl.batch import TrainBatch, rollout_columns
 from jaxrl.rl.kl import kl_estimate, kl_in_reward
 from jaxrl.rl.run import Run
 from jaxrl.rl.shaping import overlong_penalty, truncation_keep
@@ -98,23 +98,6 @@ def shape_rewards(rewards: np.ndarray, rollout: Rollout, rl) -> tuple[np.ndarray
   if rl.overlong.mask_truncated:
     weight = weight * truncation_keep(rollout.truncated)
   return shaped, weight, stats
-
-
-def host_batch(rollout: Rollout, row_weight: np.ndarray) -> dict[str, np.ndarray]:
-  """The TrainBatch's token columns from a host Rollout, before anything is placed on a device:
-  tokens, valid, the completion mask (unweighted, `mask`) and weighted (`loss_mask`), the
-  behaviour log-probs and per-token versions. Column j refers to predicting tokens[:, j]."""
-  b, p = rollout.prompt_tokens.shape
-  mask = np.concatenate([np.zeros((b, p), bool), rollout.mask], axis=1).astype(np.float32)
-  versions = np.concatenate([np.full((b, p), -1, np.int32), rollout.versions], axis=1)
-  return {
-    "tokens": np.concatenate([rollout.prompt_tokens, rollout.tokens], axis=1).astype(np.int32),
-    "valid": np.concatenate([rollout.prompt_mask, rollout.mask], axis=1),
-    "mask": mask,
-    "loss_mask": mask * row_weight[:, None],
-    "old_logprobs": np.concatenate([np.zeros((b, p), np.float32), rollout.logprobs], axis=1),
-    "versions": np.where(mask > 0, versions, -1).astype(np.int32),
-  }
 
 
 class Experience:
@@ -200,7 +183,7 @@ class Experience:
       rollout, r = rounds[0][0], rounds[0][1]
     shaped, weight, shape_stats = shape_rewards(r, rollout, rl)
     stats.update(shape_stats)
-    host = host_batch(rollout, row_weight * weight)
+    host = rollout_columns(rollout, row_weight * weight)
     batch, adv_stats = self.advantages(step, host, shaped, ref_params, critic_params)
     engine = {}
     for _, _, _, e in rounds:  # counters summed over the step's rounds
