@@ -15,34 +15,17 @@ from pathlib import Path
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from launch.export import PHASES, ExportError, parse_flags
+from launch.export import PHASES, ExportError, checked_config, parse_flags, restore_run
 
 
 def evaluate(config, *, phase: str = "latest") -> dict:
   """{"phase", "step", "eval/...": float} for `config.workdir`'s newest `phase` checkpoint."""
   # Imported here so that --help and flag errors do not pay for importing jax.
-  from jaxrl.checkpoint import CheckpointError
-  from jaxrl.config import validate
   from jaxrl.mesh import use_mesh
   from jaxrl.rl.evaluation import Evaluator
   from jaxrl.rl.experience import build_sampler
-  from jaxrl.rl.run import Run, restore_params
 
-  if phase not in PHASES:
-    raise ExportError(f"phase={phase!r} is invalid; allowed: {', '.join(PHASES)}")
-  cfg = validate(config)
-  if not (Path(cfg.workdir) / "checkpoints").is_dir():
-    raise ExportError(
-      f"no checkpoint in workdir {cfg.workdir!r}: it has no checkpoints/ directory "
-      "(checkpointed phases: none)"
-    )
-  run = Run.build(cfg)
-  try:
-    phase, step, params = restore_params(run, phase)
-  except FileNotFoundError as e:
-    raise ExportError(str(e)) from e
-  except CheckpointError as e:
-    raise ExportError(f"{e}\n--config must describe the run that wrote the checkpoint") from e
+  run, phase, step, params = restore_run(checked_config(config, phase), phase)
   with use_mesh(run.mesh, run.rules):
     metrics = Evaluator(run, build_sampler(run))(params)
   return {"phase": phase, "step": step, **metrics}

@@ -24,20 +24,47 @@ class ExportError(ValueError):
   """A bad --out, or a workdir without the requested checkpoint; the message says which."""
 
 
+def checked_config(config, phase: str):
+  """The validated Config of `config` (the run's ConfigDict), after checking `phase`."""
+  from jaxrl.config import validate
+
+  if phase not in PHASES:
+    raise ExportError(f"phase={phase!r} is invalid; allowed: {', '.join(PHASES)}")
+  return validate(config)
+
+
+def restore_run(cfg, phase: str):
+  """(run, phase, step, params): the run's model, tokenizer and mesh (`jaxrl.rl.run.Run`), and
+  the params alone read from its newest `phase` checkpoint; no engine, optimizer, teacher or
+  critic is built. Errors name the workdir or the mismatch (ExportError)."""
+  # Imported here so that --help and flag errors do not pay for importing jax.
+  from jaxrl.checkpoint import CheckpointError
+  from jaxrl.rl.run import Run, restore_params
+
+  # Checked before building the run, whose task may write data into a mistyped workdir.
+  if not (Path(cfg.workdir) / "checkpoints").is_dir():
+    raise ExportError(
+      f"no checkpoint in workdir {cfg.workdir!r}: it has no checkpoints/ directory "
+      "(checkpointed phases: none)"
+    )
+  run = Run.build(cfg)
+  try:
+    phase, step, params = restore_params(run, phase)
+  except FileNotFoundError as e:
+    raise ExportError(str(e)) from e
+  except CheckpointError as e:
+    raise ExportError(f"{e}\n--config must describe the run that wrote the checkpoint") from e
+  return run, phase, step, params
+
+
 def export(config, out, *, phase: str = "latest") -> str:
   """Writes the params of `config.workdir`'s newest `phase` checkpoint ('rl', 'sft', or 'latest':
   RL if any, else SFT) to `out` as an HF checkpoint (config.json + safetensors, LoRA merged), plus
   the run's HF tokenizer files; returns a one-line summary. `config` is the run's ConfigDict.
   """
-  # Imported here so that --help and flag errors do not pay for importing jax.
-  from jaxrl.checkpoint import CheckpointError
-  from jaxrl.config import validate
   from jaxrl.models.hf import export_hf_checkpoint
-  from jaxrl.rl.run import Run, restore_params
 
-  if phase not in PHASES:
-    raise ExportError(f"phase={phase!r} is invalid; allowed: {', '.join(PHASES)}")
-  cfg = validate(config)
+  cfg = checked_config(config, phase)
   out = Path(out)
   if out.exists() and not out.is_dir():
     raise ExportError(f"--out={str(out)!r} exists and is not a directory")
@@ -47,21 +74,7 @@ def export(config, out, *, phase: str = "latest") -> str:
     if source and source != "byte" and out.resolve() == Path(source).resolve():
       raise ExportError(f"--out={str(out)!r} is config.model.{field}; choose another directory")
   workdir = Path(cfg.workdir)
-  # Checked before building the run, whose task may write data into a mistyped workdir.
-  if not (workdir / "checkpoints").is_dir():
-    raise ExportError(
-      f"no checkpoint in workdir {str(workdir)!r}: it has no checkpoints/ directory "
-      "(checkpointed phases: none)"
-    )
-  # The run's model, tokenizer and mesh, and the params alone read from the checkpoint: no
-  # engine, optimizer, teacher or critic is built.
-  run = Run.build(cfg)
-  try:
-    phase, step, params = restore_params(run, phase)
-  except FileNotFoundError as e:
-    raise ExportError(str(e)) from e
-  except CheckpointError as e:
-    raise ExportError(f"{e}\n--config must describe the run that wrote the checkpoint") from e
+  run, phase, step, params = restore_run(cfg, phase)
   export_hf_checkpoint(run.model_cfg, params, out)
   copied = _copy_tokenizer_files(run.tokenizer, out)
   model_type = json.loads((out / "config.json").read_text())["model_type"]
