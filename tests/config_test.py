@@ -241,12 +241,12 @@ def test_unknown_field_message_names_the_path_and_the_closest_fields(path, messa
 def test_docs_configs_md_is_the_generated_reference_of_every_field():
   """docs/configs.md cannot drift from the dataclasses: its reference block is regenerated
   from them here, and every field path has a row in it."""
-  from jaxrl.config import REFERENCE_BEGIN, REFERENCE_END, reference_markdown
+  from jaxrl.config_reference import REFERENCE_BEGIN, REFERENCE_END, reference_markdown
 
   text = (Path(__file__).parent.parent / "docs" / "configs.md").read_text()
   block = text.split(REFERENCE_BEGIN)[1].split(REFERENCE_END)[0]
   assert block.strip() == reference_markdown().strip(), (
-    "docs/configs.md is stale: run python -c 'from jaxrl.config import write_reference; "
+    "docs/configs.md is stale: run python -c 'from jaxrl.config_reference import write_reference; "
     "write_reference()'"
   )
   for path in field_paths():
