@@ -141,14 +141,14 @@ class Learner:
     batch, ratio_stats = self._with_prox(step, policy.params, batch)
     history = []
     for epoch in range(rl.ppo_epochs):
-      if rl.num_minibatches == 1:
-        order = np.arange(n)
-      else:
+      if rl.num_minibatches > 1:
         order = np.random.default_rng([run.cfg.seed, step, epoch]).permutation(n)
       for i in range(rl.num_minibatches):
-        rows = batch_lib.put_like(order[i * size : (i + 1) * size], batch.tokens)
-        sub = batch_lib.take_rows(batch, rows)
-        mb = run.shard(sub)
+        if rl.num_minibatches == 1:
+          mb = run.shard(batch)  # in order, no gather; a no-op where already placed so
+        else:
+          rows = batch_lib.put_like(order[i * size : (i + 1) * size], batch.tokens)
+          mb = run.shard(batch_lib.take_rows(batch, rows))
         m = {}
         if self.critic is not None:
           critic, m = self.critic.step(critic, mb)
