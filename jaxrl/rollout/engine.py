@@ -265,12 +265,12 @@ class Engine:
     self._deactivate_jit = jax.jit(
       lambda st, mask: st._replace(active=st.active & ~mask), donate_argnums=0, **pin(st)
     )
-    # On a mesh the zeros are made by jitted calls, already split: a pool is never whole on one
-    # device. Off it they stay eager jnp arrays, as before.
-    self._zero_state = self._zero_state_fn
+    # The zeros are made by one jitted call: one compile for the whole state (as eager
+    # `jnp.zeros` it was one small program per distinct shape, each compiled in a run's first
+    # step), and on a mesh already split: a pool is never whole on one device.
+    self._zero_state = jax.jit(self._zero_state_fn, out_shardings=st)
     self._zero_cache = functools.partial(init_cache, cfg, 1)
     if mesh is not None:
-      self._zero_state = jax.jit(self._zero_state, out_shardings=st)
       self._zero_cache = jax.jit(self._zero_cache, static_argnums=0, out_shardings=kv)
 
   def _shardings(self, rules: Rules | str):

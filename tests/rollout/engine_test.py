@@ -124,6 +124,31 @@ def test_greedy_matches_no_cache_reference_and_learner_logprobs(schedule):
   assert _engine().generate_compiles == 1
 
 
+def test_a_fresh_decode_state_is_one_compiled_program_and_all_zeros():
+  """init_decode_state makes the pool and every slot vector in one jitted call: a run's first
+  step compiles it once, not one eager program per distinct shape."""
+  cfg, graphdef, _ = tiny_model()
+  eng = Engine(cfg, graphdef, max_concurrent_decodes=2, num_pages=6, page_size=4,
+               max_prefill_length=8, max_target_length=12)  # fmt: skip
+  compiles = []
+
+  def count(event, duration, **_):
+    if event == "/jax/core/compile/backend_compile_duration":
+      compiles.append(duration)
+
+  jax.monitoring.register_event_duration_secs_listener(count)
+  try:
+    first = eng.init_decode_state()
+    n_first = len(compiles)
+    eng.init_decode_state()
+  finally:
+    jax.monitoring.unregister_event_duration_listener(count)
+  assert (n_first, len(compiles)) == (1, 1)
+  assert all(not np.any(np.asarray(p)) for p in first.k_pages + first.v_pages)
+  assert np.asarray(first.stop_ids).min() == np.asarray(first.stop_ids).max() == -1
+  assert np.asarray(first.sampling.temperature).tolist() == [1.0, 1.0]
+
+
 def test_sampling_independent_of_slot_batch_and_slot_count():
   n_new = 8
   a = _run(_engine(), [(10, 0), (11, 1), (12, 2), (13, 0), (14, 1)], n_new, SAMPLED, seed=3)
