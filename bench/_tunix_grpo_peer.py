@@ -31,6 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from _compile_log import CompileLog
 from _tunix_peer import IdTokenizer, tunix_config
 from tunix.models.qwen3 import params as qwen3_params
 from tunix.rl import rl_cluster as rl_cluster_lib
@@ -162,13 +163,21 @@ def main(request_path: str) -> None:
     sys.stdout.write(TAG + json.dumps(obj) + "\n")
     sys.stdout.flush()
 
+  cold = True
   for line in sys.stdin:
     command = line.strip()
     if command == "ready":
       answer({"versions": versions, "notes": notes})
     elif command in ("train", "full"):
+      compile_log = CompileLog() if cold else None  # the first call: where its compiles go
+      cold = False
       t0 = time.perf_counter()
-      extra = (train_step if command == "train" else full_step)()
+      if compile_log:
+        with compile_log:
+          extra = (train_step if command == "train" else full_step)()
+        extra["compile"] = compile_log.summary()
+      else:
+        extra = (train_step if command == "train" else full_step)()
       seconds = time.perf_counter() - t0
       answer({"seconds": seconds, "steps": int(cluster.actor_trainer.train_steps), **extra})
     elif command == "quit":

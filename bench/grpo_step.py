@@ -49,6 +49,7 @@ sys.path.insert(0, str(BENCH_DIR))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from _common import MODELS, machine, num_cores, versions  # noqa: E402
+from _compile_log import CompileLog  # noqa: E402
 
 from jaxrl.models.hf import export_hf_checkpoint  # noqa: E402
 from jaxrl.models.transformer import make_model, token_logprobs  # noqa: E402
@@ -178,8 +179,10 @@ class JaxrlStep:
     self.rows = rows
     # The fixed rollout's behaviour log-probs (the sampler's, in a real step): the initial
     # policy's, computed once outside the timing.
+    # A jit of its own, so that the reference forward's compile stays in the cold first step.
     full = np.concatenate([rows, w.completions], axis=1)
-    logp = np.asarray(self.ref_logprobs(w.params, full, np.ones(full.shape, bool)))
+    behaviour = jax.jit(lambda p, t, v: token_logprobs(w.graphdef, p, t, v))
+    logp = np.asarray(behaviour(w.params, full, np.ones(full.shape, bool)))
     self.fixed = Rollout(
       prompt_tokens=rows,
       prompt_mask=np.ones(rows.shape, bool),
@@ -250,8 +253,14 @@ def run_jaxrl(w: Workload) -> Peer:
   step = JaxrlStep(w)
 
   def call(kind: str):
+    compile_log = CompileLog() if step.steps == 0 else None  # the cold first step
     t0 = time.perf_counter()
-    info = step.train() if kind == "train" else step.full()
+    if compile_log:
+      with compile_log:
+        info = step.train() if kind == "train" else step.full()
+      info["compile"] = compile_log.summary()
+    else:
+      info = step.train() if kind == "train" else step.full()
     return time.perf_counter() - t0, {**info, "steps": step.steps}
 
   notes = (
@@ -587,7 +596,7 @@ def main(argv=None) -> dict:
   completions = rng.integers(3, cfg.vocab_size, (b, args.new_tokens), dtype=np.int32)
   rewards = parity_reward(completions).reshape(-1, args.group_size)
   advantages = np.asarray(ESTIMATORS.get("grpo")(rewards), np.float32).reshape(-1)
-  results, first, times, infos, notes = [], {}, {}, {}, {}
+  results, first, first_compile, times, infos, notes = [], {}, {}, {}, {}, {}
   profile = None
   with tempfile.TemporaryDirectory() as tmp:
     ckpt = Path(tmp) / args.model
@@ -619,6 +628,8 @@ def main(argv=None) -> dict:
         for kind in sorted(kinds, key=KINDS_COLD_FIRST.index):
           seconds, info = ready[peer].call(kind)
           first[f"{peer}/{kind}"] = seconds
+          if "compile" in info:
+            first_compile[f"{peer}/{kind}"] = info["compile"]
           print(f"{peer}: first {kind} step {seconds:.2f} s", flush=True)
       for rep in range(args.reps):
         # One timed call per peer and kind per repetition, peers in an order rotated each
@@ -654,6 +665,8 @@ def main(argv=None) -> dict:
         "first_is_cold": kind == min(kinds, key=KINDS_COLD_FIRST.index),
         "info": infos.get(f"{peer}/{kind}", {}),
       }
+      if f"{peer}/{kind}" in first_compile:  # tracing, lowering, XLA compile of the cold step
+        r["first_compile"] = first_compile[f"{peer}/{kind}"]
       if "jaxrl" in peers:
         r["ratio_jaxrl_over_peer"] = meds["jaxrl"] / meds[peer]  # < 1: jaxrl is faster
         paired = [j / t for j, t in zip(times[f"jaxrl/{kind}"], r["times_s"], strict=True)]
@@ -676,6 +689,14 @@ def main(argv=None) -> dict:
       f"{r['kind']:6} {r['peer']:6} {r['median_s']:9.3f} {r['first_s']:8.2f} {ratio} {span:>18}"
     )
   print("(* first step of the peer's process: every compile included)")
+  for r in results:
+    c = r.get("first_compile")
+    if c:
+      print(
+        f"{r['peer']} cold {r['kind']} step: trace {c['trace_s']:.2f} s, lower {c['lower_s']:.2f}"
+        f" s, XLA compile {c['xla_compile_s']:.2f} s ({c['compilations']} compilations): "
+        f"{c['top_xla_compile_s']}, other {c['other_xla_compile_s']:.2f} s"
+      )
   if profile:
     print(f"\njaxrl wall s per call: {profile['wall_s']}")
     for name in ("train_step", "ref_logprobs"):
