@@ -21,6 +21,7 @@ compilation; the parent reports it as the first step. Standalone: this venv has 
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import json
 import sys
@@ -172,12 +173,10 @@ def main(request_path: str) -> None:
       compile_log = CompileLog() if cold else None  # the first call: where its compiles go
       cold = False
       t0 = time.perf_counter()
-      if compile_log:
-        with compile_log:
-          extra = (train_step if command == "train" else full_step)()
-        extra["compile"] = compile_log.summary()
-      else:
+      with compile_log or contextlib.nullcontext():
         extra = (train_step if command == "train" else full_step)()
+      if compile_log:
+        extra["compile"] = compile_log.summary()
       seconds = time.perf_counter() - t0
       answer({"seconds": seconds, "steps": int(cluster.actor_trainer.train_steps), **extra})
     elif command == "quit":

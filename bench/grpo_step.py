@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import dataclasses
 import datetime
 import glob
@@ -255,12 +256,10 @@ def run_jaxrl(w: Workload) -> Peer:
   def call(kind: str):
     compile_log = CompileLog() if step.steps == 0 else None  # the cold first step
     t0 = time.perf_counter()
-    if compile_log:
-      with compile_log:
-        info = step.train() if kind == "train" else step.full()
-      info["compile"] = compile_log.summary()
-    else:
+    with compile_log or contextlib.nullcontext():
       info = step.train() if kind == "train" else step.full()
+    if compile_log:
+      info["compile"] = compile_log.summary()
     return time.perf_counter() - t0, {**info, "steps": step.steps}
 
   notes = (

@@ -41,8 +41,8 @@ def contract(eq: str, x: jax.Array, w: jax.Array, *, preferred_element_type=None
   trailing = list(xs[len(xs) - n :]) == contracted
   if n and trailing and list(ws[:n]) == contracted and lead + kept == list(out):
     k = math.prod(w.shape[:n])
-    pet = preferred_element_type
-    y = jax.lax.dot(x.reshape(-1, k), w.reshape(k, -1), preferred_element_type=pet)
+    x2, w2 = x.reshape(-1, k), w.reshape(k, -1)
+    y = jax.lax.dot(x2, w2, preferred_element_type=preferred_element_type)
     return y.reshape(*x.shape[: len(lead)], *w.shape[n:])
   dims = (([xs.index(c) for c in contracted], [ws.index(c) for c in contracted]), ((), ()))
   y = jax.lax.dot_general(x, w, dims, preferred_element_type=preferred_element_type)
