@@ -55,7 +55,7 @@ def to_rollout(
     if k > n:
       raise ValueError(f"completion {c.request_id} has {k} tokens > max_new_tokens={n}")
     tokens[i, :k], mask[i, :k], logprobs[i, :k] = c.tokens, True, c.logprobs
-    versions[i, :k] = c.policy_version
+    versions[i, :k] = c.versions
   lengths = mask.sum(axis=1).astype(np.int32)
   reason = np.array([FINISH_REASONS.index(c.finish_reason) for c in completions], np.int32)
   # Truncated = stopped by the length budget (or aborted), not by a stop token or string.
@@ -80,7 +80,8 @@ class GroupSampler:
   once) and a page budget that holds them all; with fewer slots or pages the driver queues
   groups and refills slots as sequences finish. Request ids are `prompt index * G + sample`, and
   the driver seeds each request from (seed, request id): the samples do not depend on slot
-  placement, on `max_concurrent_decodes` or on the page budget.
+  placement, on `max_concurrent_decodes` or on the page budget. `resumable` sizes the engine's
+  prefill for partial sequences resumed with their completion so far (jaxrl.rl.partial).
   """
 
   def __init__(
@@ -101,6 +102,7 @@ class GroupSampler:
     tokenizer=None,
     mesh=None,
     rules: Rules | str = "fsdp_tp",
+    resumable: bool = False,
   ):
     self.prompt_len, self.max_new_tokens, self.pad_id = prompt_len, max_new_tokens, pad_id
     self.sampling = sampling
@@ -114,7 +116,8 @@ class GroupSampler:
       max_concurrent_decodes=max_concurrent_decodes,
       num_pages=num_pages,
       page_size=page_size,
-      max_prefill_length=prompt_len,
+      # A resumed partial sequence prefills its prompt and its completion so far.
+      max_prefill_length=prompt_len + max_new_tokens - 1 if resumable else prompt_len,
       max_target_length=prompt_len + max_new_tokens,
       tokenizer=tokenizer,
       mesh=mesh,

@@ -13,6 +13,10 @@ chunk is prefilled chunk by chunk, `prefill_prompt` + `bulk_insert`); dispatch
 call's results on the host (append tokens, check stop strings, retire finished sequences, free
 their pages); refill; repeat until every request is done or `stop_when(progress)` holds, which
 aborts the rest and returns it as partial sequences whose tokens and log-probs are intact.
+A partial sequence is resumed later (under the same or newer weights) by a request carrying it
+as `Request.resume`: its prompt and partial completion are prefilled together and decoding goes
+on from its next token, drawn from the same key stream, so with unchanged weights it ends as the
+uninterrupted sequence would (partial rollouts: APRIL, arXiv 2509.18521; CoPRIS).
 
 `batching="static"` is the baseline continuous batching is measured against: requests are taken
 in batches of at most `max_concurrent_decodes` samples, and a batch is admitted only once every
@@ -34,12 +38,36 @@ BATCHING_MODES = ("continuous", "static")
 
 
 @dataclasses.dataclass(frozen=True)
+class Resume:
+  """What a sequence produced before it was aborted: its completion tokens so far, their
+  behaviour log-probs and the policy version that drew each, and its PRNG key data [2] (uint32):
+  the sampling state, so the resumed sequence draws token i with fold_in(key, i) as before."""
+
+  tokens: Sequence[int]
+  logprobs: Sequence[float]
+  versions: Sequence[int]
+  key: Sequence[int]
+
+  def __post_init__(self):
+    n = len(self.tokens)
+    if len(self.logprobs) != n or len(self.versions) != n:
+      raise ValueError(
+        f"a resumed sequence needs one log-prob and one version per token: {n} tokens, "
+        f"{len(self.logprobs)} log-probs, {len(self.versions)} versions"
+      )
+    if len(self.key) != 2:
+      raise ValueError(f"a resumed sequence's key is [2] uint32 key data, got {list(self.key)}")
+
+
+@dataclasses.dataclass(frozen=True)
 class Request:
   """One sequence to sample. Requests sharing a `group_id` (a GRPO group) must share the prompt,
   max_new_tokens and stop conditions; they are prefilled once and decoded side by side.
 
   `request_id` (unique in a run) seeds the sequence's RNG: with the run seed it fixes every draw.
-  EOS (the driver's `eos_id`) is always a stop token.
+  EOS (the driver's `eos_id`) is always a stop token. `resume` continues a partial sequence
+  (its own key, its tokens so far; `max_new_tokens` counts them): it is decoded alone, not with
+  its group's other members (their prompts now differ).
   """
 
   prompt: Sequence[int]
@@ -49,6 +77,17 @@ class Request:
   max_new_tokens: int = 64
   stop_token_ids: tuple[int, ...] = ()
   stop_strings: tuple[str, ...] = ()
+  resume: Resume | None = None
+
+  @property
+  def done_tokens(self) -> int:
+    """Completion tokens produced before this request (by an earlier, aborted run)."""
+    return 0 if self.resume is None else len(self.resume.tokens)
+
+  @property
+  def prefill_tokens(self) -> list[int]:
+    """What the engine prefills: the prompt, and a resumed sequence's tokens so far."""
+    return list(self.prompt) + ([] if self.resume is None else list(self.resume.tokens))
 
 
 @dataclasses.dataclass
@@ -61,7 +100,9 @@ class Completion:
   tokens: np.ndarray  # [N] int32 completion, the stop token included
   logprobs: np.ndarray  # [N] float32 behaviour log-probs of `tokens`
   finish_reason: str  # one of jaxrl.rollout.types.FINISH_REASONS
-  policy_version: int
+  policy_version: int  # the version of the run that ended it
+  versions: np.ndarray  # [N] int32 the policy version that drew each token
+  key: np.ndarray  # [2] uint32 its PRNG key data (resume it with `Request.resume`)
 
 
 @dataclasses.dataclass
@@ -93,6 +134,14 @@ class _Live:
   slot: int | None = None
   tokens: list = dataclasses.field(default_factory=list)
   logprobs: list = dataclasses.field(default_factory=list)
+  versions: list = dataclasses.field(default_factory=list)
+  key: np.ndarray | None = None
+
+  def __post_init__(self):
+    if self.request.resume is not None:
+      self.tokens = list(self.request.resume.tokens)
+      self.logprobs = list(self.request.resume.logprobs)
+      self.versions = list(self.request.resume.versions)
 
 
 class Driver:
@@ -185,7 +234,9 @@ class Driver:
         req = group[0]
         if budget is not None and len(group) > budget:
           break
-        need = eng.pages_needed(len(req.prompt), req.max_new_tokens, len(group))
+        need = eng.pages_needed(
+          len(req.prefill_tokens), req.max_new_tokens - req.done_tokens, len(group)
+        )
         if slots_left < len(group) or need > pages_left:
           stats["queued_waits"] += 1
           break
@@ -200,7 +251,7 @@ class Driver:
       # a prefill chunk are prefilled chunk by chunk, one unit at a time.
       buckets: dict[int, list[int]] = {}
       for u in admitted:
-        n = len(units[u][0].prompt)
+        n = len(units[u][0].prefill_tokens)
         if n <= eng.prefill_chunk_size:
           buckets.setdefault(eng.prefill_bucket(n), []).append(u)
         else:
@@ -208,27 +259,33 @@ class Driver:
       for key, batch_units in buckets.items():
         groups = [units[u] for u in batch_units]
         reqs = [r for g in groups for r in g]
-        keys = request_keys(seed, [r.request_id for r in reqs])
+        keys = np.array(request_keys(seed, [r.request_id for r in reqs]))
+        for j, r in enumerate(reqs):
+          if r.resume is not None:
+            keys[j] = np.asarray(r.resume.key, np.uint32)
+        index = [r.done_tokens for r in reqs]
         if key >= 0:
           batch, first = eng.prefill_batch(
             params,
-            [g[0].prompt for g in groups],
+            [g[0].prefill_tokens for g in groups],
             num_samples=[len(g) for g in groups],
             sampler=[r.sampling for r in reqs],
             rng=keys,
-            max_new_tokens=[g[0].max_new_tokens for g in groups],
+            max_new_tokens=[g[0].max_new_tokens - g[0].done_tokens for g in groups],
             stop_token_ids=[self._stop_ids(g[0]) for g in groups],
+            first_index=index,
           )
         else:
           req = groups[0][0]
           batch, first = eng.prefill_prompt(
             params,
-            req.prompt,
+            req.prefill_tokens,
             sampler=[r.sampling for r in reqs],
             rng=keys,
             num_samples=len(reqs),
-            max_new_tokens=req.max_new_tokens,
+            max_new_tokens=req.max_new_tokens - req.done_tokens,
             stop_token_ids=self._stop_ids(req),
+            first_index=index,
           )
         stats["prefill_calls"] += 1
         stats["prefill_prompts"] += len(groups)
@@ -236,10 +293,11 @@ class Driver:
         slots, samples = [], []
         members = [(u, r) for u, g in zip(batch_units, groups, strict=True) for r in g]
         for j, (u, r) in enumerate(members):
-          seq = _Live(r, u)
+          seq = _Live(r, u, key=keys[j])
           d = first.get_result_at_slot(j)
           seq.tokens.append(int(d.tokens[0]))
           seq.logprobs.append(float(d.log_prob[0]))
+          seq.versions.append(policy_version)
           reason = self._host_finish(seq, bool(first.done[j]))
           if reason:
             finish(seq, reason)
@@ -268,6 +326,7 @@ class Driver:
         for i in np.flatnonzero(valid[:, slot]):
           seq.tokens.append(tokens[i][slot])
           seq.logprobs.append(logp[i][slot])
+          seq.versions.append(policy_version)
           reason = self._host_finish(seq, bool(done[i, slot]))
           if reason:
             finish(seq, reason)
@@ -313,6 +372,16 @@ class Driver:
       if r.request_id in ids:
         raise ValueError(f"request_id {r.request_id} appears twice; ids must be unique in a run")
       ids.add(r.request_id)
+      if r.resume is not None and r.group_id is not None and r.resume.tokens:
+        raise ValueError(
+          f"request {r.request_id} resumes a partial sequence but has group_id {r.group_id}: "
+          "a resumed sequence is prefilled alone (group_id=None)"
+        )
+      if r.done_tokens >= r.max_new_tokens:
+        raise ValueError(
+          f"request {r.request_id} resumes {r.done_tokens} tokens, not fewer than its "
+          f"max_new_tokens={r.max_new_tokens}: nothing is left to generate"
+        )
       key = ("group", r.group_id) if r.group_id is not None else ("single", i)
       units.setdefault(key, []).append(r)
     out = list(units.values())
@@ -330,13 +399,14 @@ class Driver:
             f"requests {r0.request_id} and {r.request_id} share group_id {r.group_id} but differ "
             "in prompt, max_new_tokens or stop conditions"
           )
-      eng.check_prompt(len(r0.prompt), r0.max_new_tokens)
+      n_prefill, n_new = len(r0.prefill_tokens), r0.max_new_tokens - r0.done_tokens
+      eng.check_prompt(n_prefill, n_new)
       if len(group) > eng.max_concurrent_decodes:
         raise ValueError(
           f"group {r0.group_id} has {len(group)} samples, more than the engine's "
           f"max_concurrent_decodes={eng.max_concurrent_decodes}"
         )
-      need = eng.pages_needed(len(r0.prompt), r0.max_new_tokens, len(group))
+      need = eng.pages_needed(n_prefill, n_new, len(group))
       if need > eng.num_pages:
         raise ValueError(
           f"request {r0.request_id} (group of {len(group)}) needs {need} KV pages; the engine "
@@ -377,4 +447,6 @@ class Driver:
       logprobs=np.asarray(seq.logprobs, np.float32),
       finish_reason=reason,
       policy_version=version,
+      versions=np.asarray(seq.versions, np.int32),
+      key=np.asarray(seq.key, np.uint32),
     )

@@ -129,6 +129,7 @@ class Prefix(NamedTuple):
   sampling: RowSampling  # [G] per-sample parameters
   max_new_tokens: int
   stop_ids: np.ndarray  # [MAX_STOP_TOKENS] int32, -1 = unused
+  first_index: np.ndarray  # [G] int32 index of the first token in each sample's key stream
 
 
 class PrefillBatch(NamedTuple):
@@ -145,6 +146,7 @@ class PrefillBatch(NamedTuple):
   max_new: np.ndarray  # [K] int32
   stop_ids: np.ndarray  # [K, MAX_STOP_TOKENS] int32, -1 = unused
   num_samples: tuple  # [K] samples per prompt
+  first_index: np.ndarray  # [Nb] int32 index of the first token in each sample's key stream
 
 
 class DecodeState(NamedTuple):
@@ -399,6 +401,7 @@ class Engine:
     request_id: int | None = None,
     max_new_tokens: int | None = None,
     stop_token_ids: Sequence[int] = (),
+    first_index: int = 0,
   ) -> tuple[Prefix, ResultTokens]:
     """Run `padded_tokens` [T] (its first `true_length` real) after `existing_prefix`, then draw
     `num_samples` first tokens from the last real position: a GRPO group shares this prefill.
@@ -406,6 +409,9 @@ class Engine:
     sampler: one SamplingParams for all samples or one per sample (default: temperature 1).
     rng: [num_samples] PRNG keys (typed or key data); default request_key(engine seed,
     request_id + j). max_new_tokens / stop_token_ids are carried to `insert`.
+    first_index: where the drawn token sits in its request's key stream (token i draws with
+    fold_in(key, i)): > 0 resumes a sequence whose first `first_index` tokens end the prompt
+    (a partial rollout re-prefilled), so it draws what an uninterrupted one would.
     Returns (Prefix, ResultTokens with data [num_samples, 5]).
     """
     tokens = np.asarray(padded_tokens, np.int32).reshape(-1)
@@ -416,6 +422,7 @@ class Engine:
     total = start + true_length
     max_new = self.max_target_length - total if max_new_tokens is None else max_new_tokens
     self.check_prompt(total, max_new)
+    first_index = _first_index(first_index, num_samples)
     samplers = _per_sample(sampler, num_samples)
     stop_ids = _stop_array(stop_token_ids)
     keys = self._sample_keys(rng, num_samples, request_id)
@@ -437,6 +444,7 @@ class Engine:
       np.int32(start),
       np.asarray([true_length], np.int32),
       np.zeros(num_samples, np.int32),
+      first_index,
       keys,
       rows,
       stop_ids[None],
@@ -445,7 +453,7 @@ class Engine:
     )
     self.stats["prefill_calls"] += 1
     self.stats["prefill_tokens"] += t
-    prefix = Prefix(cache, total, first, logp, keys, rows, max_new, stop_ids)
+    prefix = Prefix(cache, total, first, logp, keys, rows, max_new, stop_ids, first_index)
     return prefix, ResultTokens(data, samples_per_slot=num_samples)
 
   def prefill_prompt(self, params, prompt: Sequence[int], **kw) -> tuple[Prefix, ResultTokens]:
@@ -479,12 +487,14 @@ class Engine:
     rng,
     max_new_tokens: Sequence[int],
     stop_token_ids: Sequence[Sequence[int]],
+    first_index: Sequence[int] | None = None,
   ) -> tuple[PrefillBatch, ResultTokens]:
     """Prefill K whole prompts (each at most `prefill_chunk_size` tokens) in ONE jitted call and
     draw the first token of each of their samples: prompt k has num_samples[k] samples.
 
     sampler, rng ([N, 2] key data): one per sample, prompt-major (N = sum(num_samples));
-    max_new_tokens / stop_token_ids: one per prompt, carried to `insert_batch`. The call is
+    max_new_tokens / stop_token_ids: one per prompt, carried to `insert_batch`; first_index
+    (default 0): one per sample, as in `prefill_multisampling`. The call is
     padded to buckets, so one program serves every batch of one (prompt count, sample count,
     length) bucket: prompts and samples to powers of two, length to the longest prompt's
     `prefill_bucket`. Prompts sharing a length bucket give the tokens, log-probs and cache
@@ -527,6 +537,8 @@ class Engine:
     group[:n] = np.repeat(np.arange(k, dtype=np.int32), counts)
     keys = np.zeros((nb, 2), np.uint32)
     keys[:n] = rng
+    index = np.zeros(nb, np.int32)
+    index[:n] = _first_index(0 if first_index is None else first_index, n)
     rows = RowSampling.stack(samplers + [SamplingParams()] * (nb - n))
     stop = np.full((kb, MAX_STOP_TOKENS), -1, np.int32)
     stop[:k] = [_stop_array(ids) for ids in stop_token_ids]
@@ -539,6 +551,7 @@ class Engine:
       np.int32(0),
       true_len,
       group,
+      index,
       keys,
       rows,
       stop,
@@ -548,13 +561,14 @@ class Engine:
     self.stats["prefill_calls"] += 1
     self.stats["prefill_tokens"] += int(k * width)
     batch = PrefillBatch(
-      cache, lengths, first, logp, keys, rows, group[:n], max_new[:k], stop[:k], tuple(counts)
-    )
+      cache, lengths, first, logp, keys, rows, group[:n], max_new[:k], stop[:k], tuple(counts),
+      index,
+    )  # fmt: skip
     return batch, ResultTokens(data[:n], samples_per_slot=n)
 
   def _empty_prefix(self, capacity: int) -> Prefix:
     none = np.zeros(0)
-    return Prefix(self._zero_cache(capacity), 0, none, none, none, None, 0, none)
+    return Prefix(self._zero_cache(capacity), 0, none, none, none, None, 0, none, none)
 
   def _capacity(self, n: int) -> int:
     """Prefix cache length: the prompt bucket, or whole chunks in a power-of-two count."""
@@ -573,10 +587,12 @@ class Engine:
     return rng
 
   def _prefill_fn(
-    self, params, cache, tokens, start, true_len, group, keys, rows, stop_ids, max_new, *, capacity
-  ):
+    self, params, cache, tokens, start, true_len, group, index, keys, rows, stop_ids, max_new, *,
+    capacity,
+  ):  # fmt: skip
     """K prompts tokens [K, T] from position `start` (a scalar: > 0 only for a later chunk of one
-    prompt), true lengths [K]; sample n draws from prompt group[n] with keys[n], rows[n]."""
+    prompt), true lengths [K]; sample n draws from prompt group[n] with keys[n], rows[n], as the
+    index[n]-th token of its request."""
     if cache is None:
       cache = init_cache(self.cfg, tokens.shape[0], capacity)
     s, t = cache[0][0].shape[1], tokens.shape[1]
@@ -593,7 +609,7 @@ class Engine:
       logits_at=true_len - 1,
     )
     n = keys.shape[0]
-    first, logp = sample_rows(logits[group], _step_keys(keys, jnp.zeros(n, jnp.int32)), rows)
+    first, logp = sample_rows(logits[group], _step_keys(keys, index), rows)
     done = jnp.any(first[:, None] == stop_ids[group], -1) | (max_new[group] <= 1)
     return cache, first, logp, _pack(first, jnp.ones(n, bool), jnp.ones(n, jnp.int32), done, logp)
 
@@ -676,6 +692,7 @@ class Engine:
       prefix.sampling,
       np.full(g, prefix.max_new_tokens, np.int32),
       np.broadcast_to(prefix.stop_ids, (g, MAX_STOP_TOKENS)),
+      np.asarray(prefix.first_index)[sample_ids],
     )
 
   def insert_batch(
@@ -712,6 +729,7 @@ class Engine:
     samples = np.zeros(gb, np.int32)
     max_new = np.ones(gb, np.int32)
     stop = np.full((gb, MAX_STOP_TOKENS), -1, np.int32)
+    index = np.zeros(gb, np.int32)
     for k, js in by_prompt.items():
       rows, starts = self._alloc_group(
         [slots[j] for j in js], int(batch.lengths[k]), int(batch.max_new[k])
@@ -720,6 +738,7 @@ class Engine:
         slot_arr[j], row_of[j], lengths[j] = slots[j], k, batch.lengths[k]
         table[j], write_from[j], samples[j] = row, w, sample_ids[j]
         max_new[j], stop[j] = batch.max_new[k], batch.stop_ids[k]
+        index[j] = batch.first_index[sample_ids[j]]
     self.stats["insert_calls"] += 1
     return self._insert_jit(
       decode_state,
@@ -735,6 +754,7 @@ class Engine:
       batch.sampling,
       max_new,
       stop,
+      index,
     )
 
   def _check_slots(self, slots: list[int]) -> None:
@@ -762,10 +782,12 @@ class Engine:
 
   def _insert_fn(
     self, st, cache, slots, row_of, lengths, rows, write_from, samples, first, keys, sampling,
-    max_new, stop,
+    max_new, stop, index,
   ):  # fmt: skip
     """Slot j <- sample samples[j] of prompt row_of[j] of `cache` (one row per prompt). Slots
-    past the engine's count are padding: every per-slot write drops them."""
+    past the engine's count are padding: every per-slot write drops them. The slot's sequence
+    has drawn index[j] + 1 tokens of its key stream (the first index[j] end its prompt, for a
+    resumed sequence) and may draw max_new[j] - 1 more."""
     s = cache[0][0].shape[1]
     pos = jnp.arange(s, dtype=jnp.int32)[None]
     pos = jnp.where(pos >= write_from[:, None], pos, -1)  # [G, S], -1: skipped
@@ -776,6 +798,7 @@ class Engine:
       v_pages.append(paged.v_pages)
     tok = first[samples]
     done = jnp.any(tok[:, None] == stop, -1) | (max_new <= 1)
+    steps, max_new = index + 1, index + max_new  # counted in the request's key stream
     put = lambda a, x: a.at[slots].set(x, mode="drop")
     return st._replace(
       k_pages=tuple(k_pages),
@@ -783,7 +806,7 @@ class Engine:
       page_table=put(st.page_table, rows),
       lengths=put(st.lengths, lengths),
       tokens=put(st.tokens, tok),
-      steps=put(st.steps, jnp.ones_like(lengths)),
+      steps=put(st.steps, steps),
       active=put(st.active, ~done),
       max_new=put(st.max_new, max_new),
       stop_ids=put(st.stop_ids, stop),
@@ -895,6 +918,14 @@ def _per_sample(sampler, num_samples: int) -> list[SamplingParams]:
   if len(sampler) != num_samples:
     raise ValueError(f"{len(sampler)} samplers given; num_samples={num_samples} needs one each")
   return sampler
+
+
+def _first_index(first_index, n: int) -> np.ndarray:
+  """[n] int32 key-stream indices of n samples' first tokens, from one int or one per sample."""
+  index = np.broadcast_to(np.asarray(first_index, np.int32), (n,)).copy()
+  if index.min(initial=0) < 0:
+    raise ValueError(f"first_index must be non-negative, got {index.tolist()}")
+  return index
 
 
 def _stop_array(stop_token_ids) -> np.ndarray:

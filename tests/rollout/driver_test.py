@@ -3,11 +3,12 @@ learner log-prob parity and compile counts."""
 
 import functools
 
+import jax
 import numpy as np
 import pytest
 from helpers import greedy_completions, tiny_model, token_logprobs
 
-from jaxrl.rollout.driver import Driver, Request, complete_groups
+from jaxrl.rollout.driver import Driver, Request, Resume, complete_groups
 from jaxrl.rollout.engine import Engine
 from jaxrl.rollout.sampling import SamplingParams
 from jaxrl.tokenizer import ByteTokenizer
@@ -53,8 +54,27 @@ def _requests(n_groups=2, g=3, n_single=4, max_new=10):
   return reqs
 
 
-def _learner_logprobs(prompt, completion, temperature):
-  _, graphdef, params = tiny_model()
+@functools.cache
+def _resumable_engine() -> Engine:
+  """Room to re-prefill a prompt with its partial completion (up to S - 1 tokens), in chunks of
+  8: short resumes share a batched prefill, long ones go chunk by chunk."""
+  cfg, graphdef, _ = tiny_model()
+  return Engine(
+    cfg,
+    graphdef,
+    max_concurrent_decodes=3,
+    num_pages=24,
+    page_size=4,
+    max_prefill_length=S - 1,
+    prefill_chunk_size=8,
+    max_target_length=S,
+    tokenizer=TOK,
+  )
+
+
+def _learner_logprobs(prompt, completion, temperature, params=None):
+  _, graphdef, default = tiny_model()
+  params = default if params is None else params
   seq = list(prompt) + list(completion)
   tokens = np.zeros((1, S), np.int32)
   tokens[0, : len(seq)] = seq
@@ -144,6 +164,101 @@ def test_abort_returns_partial_sequences_intact():
   rerun = driver.run(params, res.unstarted, seed=5)
   assert len(rerun.finished) == len(res.unstarted)
   assert eng.generate_compiles == 1
+
+
+def _resume(c, r):
+  """The request that resumes partial completion `c` of request `r` (decoded alone)."""
+  return Request(
+    r.prompt,
+    r.request_id,
+    sampling=r.sampling,
+    max_new_tokens=r.max_new_tokens,
+    resume=Resume(c.tokens.tolist(), c.logprobs.tolist(), c.versions.tolist(), c.key.tolist()),
+  )
+
+
+def _staged(params_by_stage, stops=(1, 3, None)):
+  """Sample the requests in stages: each stage aborts after `stops[i]` loop turns and the next
+  resumes its partial sequences (and starts its unstarted requests) with the next params, as
+  policy version 2 + i. Returns (requests, completions by id, partial lengths at each stage)."""
+  eng = _resumable_engine()
+  driver = Driver(eng, steps_per_call=4, eos_id=None)
+  reqs = _requests(n_groups=3, g=2, n_single=2, max_new=25)
+  reqs = reqs[6:] + reqs[:6]  # the singles first: short prompts, resumed in one batched call
+  by_id = {r.request_id: r for r in reqs}
+  todo, done, cuts = reqs, {}, []
+  for i, (params, stop) in enumerate(zip(params_by_stage, stops, strict=True)):
+    turns = iter(range(1000))
+    res = driver.run(
+      params,
+      todo,
+      policy_version=2 + i,
+      seed=5,
+      stop_when=None if stop is None else lambda _, s=stop, t=turns: next(t) == s,
+    )
+    done.update({c.request_id: c for c in res.finished})
+    cuts.append({c.request_id: len(c.tokens) for c in res.partial})
+    todo = [_resume(c, by_id[c.request_id]) for c in res.partial] + res.unstarted
+    assert eng.allocator.num_free == eng.num_pages and not eng.slot_pages
+  assert not todo and sorted(done) == sorted(by_id)
+  return reqs, done, cuts
+
+
+def test_resumed_partial_matches_the_uninterrupted_sequence():
+  eng, (_, _, params) = _resumable_engine(), tiny_model()
+  reqs, done, cuts = _staged([params] * 3)
+  whole = Driver(eng, steps_per_call=4, eos_id=None).run(params, reqs, policy_version=2, seed=5)
+  whole = {c.request_id: c for c in whole.finished}
+  prompt = {r.request_id: len(r.prompt) for r in reqs}
+  resumed = [prompt[rid] + k for cut in cuts for rid, k in cut.items()]
+  # Some resumes re-prefill in chunks (past 8 tokens), some in one batched call.
+  assert max(resumed) > 8 and min(resumed) <= 8 and sum(len(c) for c in cuts) >= 4
+  for rid, c in done.items():
+    np.testing.assert_array_equal(c.tokens, whole[rid].tokens)
+    # A resumed token's logits come from a prefill, the uninterrupted one's from a decode step.
+    np.testing.assert_allclose(c.logprobs, whole[rid].logprobs, atol=1e-5, rtol=0)
+    np.testing.assert_array_equal(c.key, whole[rid].key)
+  assert eng.generate_compiles == 1
+
+
+def test_resume_under_new_weights_tags_each_token_with_its_version():
+  _, _, params = tiny_model()
+  stages = [
+    params,
+    jax.tree.map(lambda x: x * 1.05, params),
+    jax.tree.map(lambda x: x * 0.95, params),
+  ]
+  reqs, done, cuts = _staged(stages)
+  temp = {r.request_id: r.sampling.logprob_temperature for r in reqs}
+  checked = 0
+  for rid, c in done.items():
+    # Where each stage ended this sequence: the tokens before the first cut are version 2, ...
+    bounds = [0] + [cut[rid] for cut in cuts if rid in cut] + [len(c.tokens)]
+    first_stage = next((i for i, cut in enumerate(cuts) if rid in cut), None)
+    if first_stage is None:
+      np.testing.assert_array_equal(c.versions, c.policy_version)
+      continue
+    for j, (a, b) in enumerate(zip(bounds[:-1], bounds[1:], strict=True)):
+      stage = first_stage + j
+      np.testing.assert_array_equal(c.versions[a:b], 2 + stage)
+      # Each token's behaviour log-prob is that of the weights that drew it.
+      ref = _learner_logprobs(c.prompt_tokens, c.tokens, temp[rid], params=stages[stage])
+      np.testing.assert_allclose(c.logprobs[a:b], ref[a:b], atol=1e-5, rtol=0)
+      checked += b - a
+  assert checked > 0
+  assert len({int(v) for c in done.values() for v in c.versions}) == 3
+
+
+def test_bad_resumes_fail_before_any_work():
+  eng, (_, _, params) = _resumable_engine(), tiny_model()
+  driver = Driver(eng)
+  r = Resume([7, 8], [-1.0, -2.0], [0, 0], [1, 2])
+  with pytest.raises(ValueError, match="prefilled alone"):
+    driver.run(params, [Request([5] * 4, 0, group_id=0, max_new_tokens=8, resume=r)])
+  with pytest.raises(ValueError, match="nothing is left to generate"):
+    driver.run(params, [Request([5] * 4, 0, max_new_tokens=2, resume=r)])
+  with pytest.raises(ValueError, match="one log-prob and one version per token"):
+    Resume([7, 8], [-1.0], [0, 0], [1, 2])
 
 
 def test_bad_requests_fail_before_any_work():
