@@ -180,6 +180,29 @@ class DynamicSamplingConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class PartialConfig:
+  """Partial rollouts (rl.partial; jaxrl.rl.partial): more groups are in flight than a step
+  trains on, the rollout phase ends once prompts_per_step groups are complete, and the
+  unfinished sequences are carried to the next step and resumed under its weights (APRIL,
+  arXiv 2509.18521; CoPRIS). Their tokens keep the behaviour log-prob and policy version that
+  drew them: the loss's ratio reads each token's own, and rl.offpolicy corrects across stages."""
+
+  enabled: bool = _field(False, help="carry unfinished sequences to the next step")
+  over_provision: float = _field(
+    1.5,
+    lo=1.0,
+    help="groups in flight = ceil(over_provision * prompts_per_step); 1 = synchronous "
+    "(every started group finishes in its step)",
+  )
+  max_age: int = _field(
+    4,
+    lo=0,
+    help="a sequence may carry tokens drawn at most this many policy versions ago; a group "
+    "holding older ones is restarted from its prompt (0: nothing stale is ever trained on)",
+  )
+
+
+@dataclasses.dataclass(frozen=True)
 class RolloutConfig:
   """How RL samples, always through the engine (paged KV, one prefill per group, prompts of one
   length bucket prefilled in one call): `batching` is its admission policy."""
@@ -331,6 +354,7 @@ class RLConfig:
   optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
   overlong: OverlongConfig = dataclasses.field(default_factory=OverlongConfig)
   dynamic_sampling: DynamicSamplingConfig = dataclasses.field(default_factory=DynamicSamplingConfig)
+  partial: PartialConfig = dataclasses.field(default_factory=PartialConfig)
   rollout: RolloutConfig = dataclasses.field(default_factory=RolloutConfig)
   critic: CriticConfig = dataclasses.field(default_factory=CriticConfig)
 
@@ -570,6 +594,12 @@ def validate(cfg) -> Config:
     "rl.group_size",
     c.rl.group_size,
     ">= 2 with rl.dynamic_sampling (it drops groups whose rewards all tie)",
+  )
+  check(
+    not (c.rl.partial.enabled and c.rl.dynamic_sampling.enabled),
+    "rl.partial.enabled",
+    c.rl.partial.enabled,
+    "False with rl.dynamic_sampling.enabled (each allocates the step's rollouts its own way)",
   )
   d = c.distill
   check(

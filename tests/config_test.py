@@ -157,6 +157,16 @@ def test_defaults_and_the_shipped_config_validate():
       {"rl": {"dynamic_sampling": {"rounds": 2}}},
       r"unknown field\(s\) config\.rl\.dynamic_sampling\.rounds",
     ),
+    (
+      {"rl": {"partial": {"enabled": True}, "dynamic_sampling": {"enabled": True}}},
+      r"config\.rl\.partial\.enabled=True is invalid; allowed: False with "
+      r"rl\.dynamic_sampling\.enabled",
+    ),
+    (
+      {"rl": {"partial": {"over_provision": 0.5}}},
+      r"config\.rl\.partial\.over_provision=0\.5 is out of range; must be >= 1",
+    ),
+    ({"rl": {"partial": {"max_age": -1}}}, r"config\.rl\.partial\.max_age=-1 is out of range"),
     ({"sft": {"careless_rate": 1.5}}, r"config\.sft\.careless_rate=1\.5 is out of range"),
     (
       {"sft": {"careless_rate": 0.5}, "task": {"name": "jsonl", "path": "x.jsonl"}},

@@ -12,6 +12,7 @@ step; those computed on the device stay there until the loop fetches a step's me
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable
 
 import jax
@@ -25,6 +26,7 @@ from jaxrl.rl.advantages import ESTIMATORS
 from jaxrl.rl.allocation import fill_groups, informative_groups
 from jaxrl.rl.batch import TrainBatch, rollout_columns
 from jaxrl.rl.kl import kl_estimate, kl_in_reward
+from jaxrl.rl.partial import PartialRollouts
 from jaxrl.rl.run import Run
 from jaxrl.rl.shaping import overlong_penalty, truncation_keep
 from jaxrl.rl.value import terminal_rewards
@@ -35,10 +37,13 @@ from jaxrl.rollout.types import Rollout
 
 def build_sampler(run: Run) -> GroupSampler:
   """The one rollout path, for RL rounds and evaluation alike: the engine (paged KV, a group
-  prefilled once, every EOS id a stop). By default every sample of a step and every held-out
-  prompt gets a slot."""
+  prefilled once, every EOS id a stop). By default every sample of a step (with rl.partial:
+  every sample in flight) and every held-out prompt gets a slot."""
   cfg, rl = run.cfg, run.cfg.rl
   ro = rl.rollout
+  groups = rl.prompts_per_step
+  if rl.partial.enabled:
+    groups = math.ceil(rl.partial.over_provision * rl.prompts_per_step)
   return GroupSampler(
     run.model_cfg,
     run.graphdef,
@@ -47,8 +52,7 @@ def build_sampler(run: Run) -> GroupSampler:
     eos_ids=run.tokenizer.eos_ids,
     pad_id=run.tokenizer.pad_id,
     sampling=SamplingParams(rl.sampling.temperature, rl.sampling.top_k, rl.sampling.top_p),
-    max_concurrent_decodes=ro.slots
-    or max(rl.prompts_per_step * rl.group_size, cfg.eval.num_examples),
+    max_concurrent_decodes=ro.slots or max(groups * rl.group_size, cfg.eval.num_examples),
     num_pages=ro.num_pages or None,
     page_size=ro.page_size,
     steps_per_call=ro.steps_per_call,
@@ -56,6 +60,7 @@ def build_sampler(run: Run) -> GroupSampler:
     tokenizer=run.tokenizer,
     mesh=run.mesh,
     rules=run.rules,
+    resumable=rl.partial.enabled,
   )
 
 
@@ -114,6 +119,8 @@ class Experience:
     # every round; every other leaf is the learner's own array, as without quantization.
     self.quantize = Quantizer(rl.rollout.quantize) if rl.rollout.quantize != "none" else None
     self._sampler_params = None  # (step, params the sampler reads at that step)
+    # rl.partial: the groups in flight across steps (checkpointed with the step).
+    self.partial = PartialRollouts(sampler, run.encode, rl=rl) if rl.partial.enabled else None
     graphdef, temperature = run.graphdef, sampler.sampling.logprob_temperature
     self.logprobs_fn = jax.jit(
       lambda p, t, v: token_logprobs(graphdef, p, t, v, temperature=temperature)
@@ -143,6 +150,20 @@ class Experience:
     r, n_err = run.score(texts, [rec for rec in records for _ in range(g)])
     return rollout, r, n_err, engine
 
+  def sample_partial(self, step: int, params, records, next_records) -> tuple:
+    """rl.partial's round: the groups in flight advanced until prompts_per_step are complete
+    (jaxrl.rl.partial), scored. Returns (Rollout, rewards, reward errors, engine counters,
+    partial-rollout stats)."""
+    if next_records is None:
+      raise ValueError("rl.partial needs next_records to draw prompts for the groups in flight")
+    run, g = self.run, self.run.cfg.rl.group_size
+    rollout, recs, engine, stats = self.partial.collect(
+      self.sampler_params(step, params), records, next_records, step=step, seed=run.seed(step, 0)
+    )
+    texts = run.completions(rollout.tokens, rollout.lengths)
+    r, n_err = run.score(texts, [rec for rec in recs for _ in range(g)])
+    return rollout, r, n_err, engine, stats
+
   def collect(
     self,
     step: int,
@@ -166,9 +187,13 @@ class Experience:
     """
     rl = self.run.cfg.rl
     g, ds = rl.group_size, rl.dynamic_sampling
-    rounds = [self.sample(step, 0, params, records)]
+    if self.partial is not None:
+      rounds = [self.sample_partial(step, params, records, next_records)]
+    else:
+      rounds = [self.sample(step, 0, params, records)]
     row_weight = np.ones(rounds[0][1].shape, np.float32)
-    stats = {}
+    stats = dict(rounds[0][4]) if self.partial is not None else {}
+    rounds = [x[:4] for x in rounds]
     if ds.enabled:
       while True:
         rows, row_weight, stats = select_groups([x[1] for x in rounds], g, rl.prompts_per_step)

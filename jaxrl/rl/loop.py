@@ -14,8 +14,9 @@ The KL reference (rl.kl.beta > 0) is one rule for LoRA and full fine-tuning: the
 phase starts from, i.e. the warm-started params. With full fine-tuning it is a frozen copy of
 them; with LoRA the frozen base is the learner's own arrays (no copy) and only the warm-started
 adapters are copied (`ref_params_now`).
-Checkpoints carry params, optimizer state, step, RNG and the data-iterator position, so a resumed
-run repeats an uninterrupted one bit for bit on CPU.
+Checkpoints carry params, optimizer state, step, RNG and the data-iterator position (with
+rl.partial, the groups in flight too), so a resumed run repeats an uninterrupted one bit for
+bit on CPU.
 """
 
 from __future__ import annotations
@@ -110,6 +111,13 @@ class Trainer:
       self.state = LearnerState(restored["train"], restored.get("critic"))
       if self.teacher:
         self.teacher.load_state_dict(meta.get("distill", {}))
+      if self.experience.partial is not None:
+        if "partial" not in meta:
+          raise ValueError(
+            f"the RL checkpoint at step {latest} in {self.rl_ckpt.directory} was written "
+            "without rl.partial: it holds no groups in flight to resume"
+          )
+        self.experience.partial.load_state_dict(meta["partial"])
       it.set_state(meta["data"])
       start = latest
       self.summary.update(meta.get("summary", {}))
@@ -172,6 +180,8 @@ class Trainer:
     meta = {"data": it.get_state(), "phase": "rl", "summary": dict(self.summary)}
     if self.teacher:
       meta["distill"] = self.teacher.state_dict()
+    if self.experience.partial is not None:
+      meta["partial"] = self.experience.partial.state_dict()
     self.rl_ckpt.save(step, self._checkpoint_item(), meta, force=force)
 
   def restore_params(self, phase: str = "latest") -> tuple[str, int, nnx.State]:

@@ -154,8 +154,13 @@ class GroupSampler:
     ]
     result = self.driver.run(params, requests, policy_version=version, seed=seed)
     by_id = {c.request_id: c for c in result.finished}
-    ordered = [by_id[r.request_id] for r in requests]
-    rollout = to_rollout(
-      ordered, prompt_len=self.prompt_len, max_new_tokens=self.max_new_tokens, pad_id=self.pad_id
+    return self.pack([by_id[r.request_id] for r in requests]), dict(result.stats)
+
+  def pack(self, completions: Sequence[Completion]) -> Rollout:
+    """Completions (in the order given) as this sampler's fixed-shape `Rollout`."""
+    return to_rollout(
+      completions,
+      prompt_len=self.prompt_len,
+      max_new_tokens=self.max_new_tokens,
+      pad_id=self.pad_id,
     )
-    return rollout, dict(result.stats)

@@ -158,7 +158,16 @@ def test_sampled_accuracy_at_a_vanishing_temperature_is_the_greedy_one(run_with_
   assert at_one["eval/sampled_accuracy"] != pytest.approx(at_one["eval/accuracy"], rel=1e-3)
 
 
-def test_resume_repeats_an_uninterrupted_run(tmp_path):
+# rl.partial: groups in flight carried across the checkpoint (short decode calls, so sequences
+# are cut mid-way), then resumed from it.
+PARTIAL = {
+  "partial": {"enabled": True, "over_provision": 2.0, "max_age": 2},
+  "rollout": {"steps_per_call": 2},
+}
+
+
+@pytest.mark.parametrize("rl", [{}, PARTIAL], ids=["sync", "partial"])
+def test_resume_repeats_an_uninterrupted_run(tmp_path, rl):
   def rl_lines(wd):
     out = []
     for line in (wd / "metrics.jsonl").read_text().splitlines():
@@ -167,16 +176,16 @@ def test_resume_repeats_an_uninterrupted_run(tmp_path):
         out.append({k: v for k, v in r.items() if not k.startswith("time/")})
     return out
 
-  full = Trainer(_config(tmp_path / "full"), log=lambda *_: None)
+  full = Trainer(_config(tmp_path / "full", **rl), log=lambda *_: None)
   full.run()
   full_params = jax.device_get(full.state.policy.params)
   full.close()
 
-  part = Trainer(_config(tmp_path / "part"), log=lambda *_: None)
+  part = Trainer(_config(tmp_path / "part", **rl), log=lambda *_: None)
   part.run(until=2)
   assert part.rl_ckpt.latest_step() == 2
   part.close()
-  resumed = Trainer(_config(tmp_path / "part"), log=lambda *_: None)
+  resumed = Trainer(_config(tmp_path / "part", **rl), log=lambda *_: None)
   resumed.run()
   resumed_params = jax.device_get(resumed.state.policy.params)
   resumed.close()
@@ -184,6 +193,10 @@ def test_resume_repeats_an_uninterrupted_run(tmp_path):
   assert rl_lines(tmp_path / "part") == rl_lines(tmp_path / "full")
   for a, b in zip(jax.tree.leaves(full_params), jax.tree.leaves(resumed_params), strict=True):
     np.testing.assert_array_equal(a, b)
+  if rl:  # the checkpoint at step 2 really held sequences in flight, resumed at step 3
+    lines = rl_lines(tmp_path / "full")
+    assert lines[1]["partial/carried_sequences"] > 0
+    assert lines[2]["partial/resumed_sequences"] > 0
 
 
 def test_interrupted_warm_start_resumes_to_the_same_params(tmp_path):
