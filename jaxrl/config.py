@@ -89,7 +89,10 @@ class ModelSection:
 @dataclasses.dataclass(frozen=True)
 class TaskConfig:
   name: str = _field(
-    "arithmetic", choices=("arithmetic", "jsonl", "word_problems"), help="the prompt source"
+    "arithmetic",
+    choices=("arithmetic", "chain", "jsonl", "word_problems"),
+    help="the prompt source (chain: sums of a heavy-tailed number of digits, long-tailed "
+    "completions)",
   )
   path: str = _field("", help="name='jsonl': the training JSONL/Parquet file")
   held_out_path: str = _field("", help="name='jsonl': a held-out file ('' = held_out_fraction)")
@@ -118,6 +121,11 @@ class TaskConfig:
     help="share of problems never trained on (held-out evaluation)",
   )
   allow_negative: bool = _field(False, help="name='arithmetic': allow negative answers")
+  min_terms: int = _field(2, lo=2, help="name='chain': the fewest digits summed")
+  max_terms: int = _field(10, lo=2, help="name='chain': the most digits summed")
+  tail: float = _field(
+    2.0, lo=0.0, help="name='chain': P(k terms) ~ k**-tail (larger: a thinner long tail)"
+  )
   operand_dist: str = _field(
     "uniform",
     choices=("uniform", "by_digits"),
@@ -663,6 +671,12 @@ def validate(cfg) -> Config:
     "sft.careless_rate",
     c.sft.careless_rate,
     "0 unless task.name='arithmetic' (only its demonstrations have carries to forget)",
+  )
+  check(
+    c.task.max_terms >= c.task.min_terms,
+    "task.max_terms",
+    c.task.max_terms,
+    f">= task.min_terms = {c.task.min_terms}",
   )
   check(
     c.task.name != "jsonl" or bool(c.task.path),

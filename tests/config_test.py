@@ -167,6 +167,10 @@ def test_defaults_and_the_shipped_config_validate():
       r"config\.rl\.partial\.over_provision=0\.5 is out of range; must be >= 1",
     ),
     ({"rl": {"partial": {"max_age": -1}}}, r"config\.rl\.partial\.max_age=-1 is out of range"),
+    (
+      {"task": {"name": "chain", "min_terms": 6, "max_terms": 4}},
+      r"config\.task\.max_terms=4 is invalid; allowed: >= task\.min_terms = 6",
+    ),
     ({"sft": {"careless_rate": 1.5}}, r"config\.sft\.careless_rate=1\.5 is out of range"),
     (
       {"sft": {"careless_rate": 0.5}, "task": {"name": "jsonl", "path": "x.jsonl"}},

@@ -10,6 +10,7 @@ from flax import nnx
 from jaxrl.config import ConfigError, ModelSection, TaskConfig, TeacherConfig
 from jaxrl.data import word_problems
 from jaxrl.data.arithmetic import ArithmeticTask
+from jaxrl.data.chain import ChainSumTask
 from jaxrl.data.jsonl import JsonlTask
 from jaxrl.mesh import Rules, shard_params
 from jaxrl.models.config import ModelConfig, from_preset
@@ -117,9 +118,10 @@ def build_teacher(
 
 def build_task(
   task: TaskConfig, workdir: str | os.PathLike, *, seed: int
-) -> ArithmeticTask | JsonlTask:
-  """The prompt source: arithmetic (synthetic), jsonl (a local file, GSM8K layout by default) or
-  word_problems (GSM8K-format problems generated into workdir/data)."""
+) -> ArithmeticTask | ChainSumTask | JsonlTask:
+  """The prompt source: arithmetic (synthetic), chain (synthetic, long-tailed completions),
+  jsonl (a local file, GSM8K layout by default) or word_problems (GSM8K-format problems
+  generated into workdir/data)."""
   if task.name == "arithmetic":
     return ArithmeticTask(
       max_digits=task.max_digits,
@@ -127,6 +129,13 @@ def build_task(
       held_out_fraction=task.held_out_fraction,
       allow_negative=task.allow_negative,
       operand_dist=task.operand_dist,
+    )
+  if task.name == "chain":
+    return ChainSumTask(
+      min_terms=task.min_terms,
+      max_terms=task.max_terms,
+      tail=task.tail,
+      held_out_fraction=task.held_out_fraction,
     )
   if task.name == "word_problems":
     data = Path(workdir) / "data"
