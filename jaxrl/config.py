@@ -188,6 +188,36 @@ class DynamicSamplingConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class PromptFilterConfig:
+  """Per-prompt statistics and the pre-rollout filter that reads them (rl.prompt_filter;
+  jaxrl.rl.prompt_stats): which of the drawn prompts a step samples. The statistics (a Beta
+  posterior of each prompt's success with forgetting, its run of all-tied visits, last-seen
+  step, recent rewards) are kept and checkpointed whenever a method is set."""
+
+  method: str = _field(
+    "none",
+    choices=("none", "greso", "difficulty_window"),
+    help="greso: skip a prompt whose last z visits all tied with probability 1 - p_e**z; "
+    "difficulty_window: skip a seen prompt whose posterior success is outside the window",
+  )
+  decay: float = _field(
+    0.9, lo=0.0, hi=1.0, help="forgetting of the Beta posterior per visit (1 = never forget)"
+  )
+  history: int = _field(8, lo=1, help="recent group-mean rewards kept per prompt")
+  greso_p_explore: float = _field(0.5, lo=0.0, hi=1.0, help="GRESO's initial p_e")
+  greso_p_min: float = _field(0.05, lo=0.0, hi=1.0, help="the lowest p_e may go")
+  greso_p_step: float = _field(0.01, lo=0.0, help="p_e's move after each step")
+  greso_target_tied: float = _field(
+    0.25, lo=0.0, hi=1.0, help="the share of all-tied groups p_e steers toward"
+  )
+  window_low: float = _field(0.05, lo=0.0, hi=1.0, help="difficulty_window: lowest success kept")
+  window_high: float = _field(0.95, lo=0.0, hi=1.0, help="difficulty_window: highest kept")
+  max_draws: int = _field(
+    4, lo=1, help="prompt batches drawn per step at most; short of prompts, skipped ones fill"
+  )
+
+
+@dataclasses.dataclass(frozen=True)
 class PartialConfig:
   """Partial rollouts (rl.partial; jaxrl.rl.partial): more groups are in flight than a step
   trains on, the rollout phase ends once prompts_per_step groups are complete, and the
@@ -363,6 +393,7 @@ class RLConfig:
   overlong: OverlongConfig = dataclasses.field(default_factory=OverlongConfig)
   dynamic_sampling: DynamicSamplingConfig = dataclasses.field(default_factory=DynamicSamplingConfig)
   partial: PartialConfig = dataclasses.field(default_factory=PartialConfig)
+  prompt_filter: PromptFilterConfig = dataclasses.field(default_factory=PromptFilterConfig)
   rollout: RolloutConfig = dataclasses.field(default_factory=RolloutConfig)
   critic: CriticConfig = dataclasses.field(default_factory=CriticConfig)
 
@@ -608,6 +639,19 @@ def validate(cfg) -> Config:
     "rl.partial.enabled",
     c.rl.partial.enabled,
     "False with rl.dynamic_sampling.enabled (each allocates the step's rollouts its own way)",
+  )
+  pf = c.rl.prompt_filter
+  check(
+    pf.window_low < pf.window_high,
+    "rl.prompt_filter.window_high",
+    pf.window_high,
+    f"> rl.prompt_filter.window_low = {pf.window_low}",
+  )
+  check(
+    pf.method == "none" or not c.rl.partial.enabled,
+    "rl.prompt_filter.method",
+    pf.method,
+    "'none' with rl.partial.enabled (partial rollouts draw their prompts themselves)",
   )
   d = c.distill
   check(

@@ -168,6 +168,16 @@ def test_defaults_and_the_shipped_config_validate():
     ),
     ({"rl": {"partial": {"max_age": -1}}}, r"config\.rl\.partial\.max_age=-1 is out of range"),
     (
+      {"rl": {"prompt_filter": {"window_low": 0.6, "window_high": 0.4}}},
+      r"config\.rl\.prompt_filter\.window_high=0\.4 is invalid; allowed: > "
+      r"rl\.prompt_filter\.window_low = 0\.6",
+    ),
+    (
+      {"rl": {"prompt_filter": {"method": "greso"}, "partial": {"enabled": True}}},
+      r"config\.rl\.prompt_filter\.method='greso' is invalid; allowed: 'none' with "
+      r"rl\.partial\.enabled",
+    ),
+    (
       {"task": {"name": "chain", "min_terms": 6, "max_terms": 4}},
       r"config\.task\.max_terms=4 is invalid; allowed: >= task\.min_terms = 6",
     ),

@@ -27,6 +27,7 @@ from jaxrl.rl.allocation import fill_groups, informative_groups
 from jaxrl.rl.batch import TrainBatch, rollout_columns
 from jaxrl.rl.kl import kl_estimate, kl_in_reward
 from jaxrl.rl.partial import PartialRollouts
+from jaxrl.rl.prompt_stats import PromptFilter, PromptStats
 from jaxrl.rl.run import Run
 from jaxrl.rl.shaping import overlong_penalty, truncation_keep
 from jaxrl.rl.value import terminal_rewards
@@ -121,6 +122,14 @@ class Experience:
     self._sampler_params = None  # (step, params the sampler reads at that step)
     # rl.partial: the groups in flight across steps (checkpointed with the step).
     self.partial = PartialRollouts(sampler, run.encode, rl=rl) if rl.partial.enabled else None
+    # rl.prompt_filter: per-prompt statistics and the pre-rollout filter (checkpointed too).
+    self.prompt_filter = None
+    pf = rl.prompt_filter
+    if pf.method != "none":
+      stats = PromptStats(decay=pf.decay, history=pf.history)
+      self.prompt_filter = PromptFilter(
+        pf, stats, seed=run.cfg.seed, num_prompts=rl.prompts_per_step
+      )
     graphdef, temperature = run.graphdef, sampler.sampling.logprob_temperature
     self.logprobs_fn = jax.jit(
       lambda p, t, v: token_logprobs(graphdef, p, t, v, temperature=temperature)
@@ -187,6 +196,10 @@ class Experience:
     """
     rl = self.run.cfg.rl
     g, ds = rl.group_size, rl.dynamic_sampling
+    selected = {}
+    if self.prompt_filter is not None:
+      records, selected = self.prompt_filter.select(step, records, next_records)
+    round_records = [records]
     if self.partial is not None:
       rounds = [self.sample_partial(step, params, records, next_records)]
     else:
@@ -201,11 +214,18 @@ class Experience:
           break
         if next_records is None:
           raise ValueError("rl.dynamic_sampling needs next_records to draw more prompts")
-        rounds.append(self.sample(step, len(rounds), params, next_records()))
+        round_records.append(next_records())
+        rounds.append(self.sample(step, len(rounds), params, round_records[-1]))
       rollout = concat_rows([x[0] for x in rounds], rows)
       r = np.concatenate([x[1] for x in rounds])[rows]
     else:
       rollout, r = rounds[0][0], rounds[0][1]
+    if self.prompt_filter is not None:
+      # Every group sampled this step informs its prompt's statistics, the dropped ones too.
+      sampled = np.concatenate([x[1] for x in rounds]).reshape(-1, g)
+      self.prompt_filter.stats.update(step, [x for rr in round_records for x in rr], sampled)
+      self.prompt_filter.after_step(sampled)
+    stats.update(selected)
     shaped, weight, shape_stats = shape_rewards(r, rollout, rl)
     stats.update(shape_stats)
     host = rollout_columns(rollout, row_weight * weight)

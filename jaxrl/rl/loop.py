@@ -15,8 +15,8 @@ phase starts from, i.e. the warm-started params. With full fine-tuning it is a f
 them; with LoRA the frozen base is the learner's own arrays (no copy) and only the warm-started
 adapters are copied (`ref_params_now`).
 Checkpoints carry params, optimizer state, step, RNG and the data-iterator position (with
-rl.partial, the groups in flight too), so a resumed run repeats an uninterrupted one bit for
-bit on CPU.
+rl.partial the groups in flight, with rl.prompt_filter the per-prompt statistics), so a resumed
+run repeats an uninterrupted one bit for bit on CPU.
 """
 
 from __future__ import annotations
@@ -118,6 +118,13 @@ class Trainer:
             "without rl.partial: it holds no groups in flight to resume"
           )
         self.experience.partial.load_state_dict(meta["partial"])
+      if self.experience.prompt_filter is not None:
+        if "prompt_filter" not in meta:
+          raise ValueError(
+            f"the RL checkpoint at step {latest} in {self.rl_ckpt.directory} was written "
+            "without rl.prompt_filter: it holds no prompt statistics to resume"
+          )
+        self.experience.prompt_filter.load_state_dict(meta["prompt_filter"])
       it.set_state(meta["data"])
       start = latest
       self.summary.update(meta.get("summary", {}))
@@ -182,6 +189,8 @@ class Trainer:
       meta["distill"] = self.teacher.state_dict()
     if self.experience.partial is not None:
       meta["partial"] = self.experience.partial.state_dict()
+    if self.experience.prompt_filter is not None:
+      meta["prompt_filter"] = self.experience.prompt_filter.state_dict()
     self.rl_ckpt.save(step, self._checkpoint_item(), meta, force=force)
 
   def restore_params(self, phase: str = "latest") -> tuple[str, int, nnx.State]:

@@ -166,7 +166,11 @@ PARTIAL = {
 }
 
 
-@pytest.mark.parametrize("rl", [{}, PARTIAL], ids=["sync", "partial"])
+# rl.prompt_filter: the per-prompt statistics go into the checkpoint and come back.
+GRESO = {"prompt_filter": {"method": "greso", "greso_p_explore": 0.3}}
+
+
+@pytest.mark.parametrize("rl", [{}, PARTIAL, GRESO], ids=["sync", "partial", "greso"])
 def test_resume_repeats_an_uninterrupted_run(tmp_path, rl):
   def rl_lines(wd):
     out = []
@@ -193,7 +197,9 @@ def test_resume_repeats_an_uninterrupted_run(tmp_path, rl):
   assert rl_lines(tmp_path / "part") == rl_lines(tmp_path / "full")
   for a, b in zip(jax.tree.leaves(full_params), jax.tree.leaves(resumed_params), strict=True):
     np.testing.assert_array_equal(a, b)
-  if rl:  # the checkpoint at step 2 really held sequences in flight, resumed at step 3
+  if rl is GRESO:  # the filter ran at every step, from the restored statistics after step 2
+    assert all(line["prompts/drawn"] >= 8 for line in rl_lines(tmp_path / "part"))
+  if rl is PARTIAL:  # the checkpoint at step 2 really held sequences in flight, resumed at 3
     lines = rl_lines(tmp_path / "full")
     assert lines[1]["partial/carried_sequences"] > 0
     assert lines[2]["partial/resumed_sequences"] > 0
