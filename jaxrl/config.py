@@ -222,8 +222,9 @@ class PartialConfig:
   """Partial rollouts (rl.partial; jaxrl.rl.partial): more groups are in flight than a step
   trains on, the rollout phase ends once prompts_per_step groups are complete, and the
   unfinished sequences are carried to the next step and resumed under its weights (APRIL,
-  arXiv 2509.18521; CoPRIS). Their tokens keep the behaviour log-prob and policy version that
-  drew them: the loss's ratio reads each token's own, and rl.offpolicy corrects across stages."""
+  "Active Partial Rollouts in Reinforcement Learning"; CoPRIS). Their tokens keep the
+  behaviour log-prob and policy version that drew them: the loss's ratio reads each token's
+  own, and rl.offpolicy corrects across stages."""
 
   enabled: bool = _field(False, help="carry unfinished sequences to the next step")
   over_provision: float = _field(

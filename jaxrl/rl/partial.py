@@ -1,11 +1,11 @@
 """Partial rollouts: more groups in flight than a step trains on; the long tail waits for later.
 
 A synchronous rollout phase lasts as long as its longest sequence, and on a long-tailed task
-most slots sit idle while the last few finish. With rl.partial (APRIL, Zhou et al. 2025,
-"APRIL: Active Partial Rollouts in Reinforcement Learning to Tame Long-tail Generation",
-arXiv 2509.18521; CoPRIS, "Concurrency-Controlled Partial Rollout with Importance Sampling")
-each step keeps ceil(over_provision * prompts_per_step) groups in flight, ends its rollout
-phase as soon as prompts_per_step of them are complete, and carries the rest to the next step:
+most slots sit idle while the last few finish. With rl.partial (APRIL, "Active Partial
+Rollouts in Reinforcement Learning"; CoPRIS, "Concurrency-Controlled Partial Rollout with
+Importance Sampling") each step keeps ceil(over_provision * prompts_per_step) groups in
+flight, ends its rollout phase as soon as prompts_per_step of them are complete, and carries
+the rest to the next step:
 
   step s:  [resume carried sequences] + [start fresh groups up to the in-flight target]
            -> the engine runs until prompts_per_step groups are complete

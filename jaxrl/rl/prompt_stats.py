@@ -8,9 +8,9 @@ recent group-mean rewards. It is checkpointed with the RL step.
 
 `PromptFilter.select` runs before a step's rollout and decides which drawn prompts are sampled:
   greso              skip a prompt whose last z visits all tied with probability 1 - p_e**z
-                     (GRESO, Zheng et al. 2025, "Act Only When It Pays: Efficient
-                     Reinforcement Learning for LLM Reasoning via Selective Rollouts",
-                     arXiv 2506.02177); p_e moves by `p_step` after each step toward the
+                     (GRESO, "Act Only When It Pays: Efficient
+                     Reinforcement Learning for LLM Reasoning via Selective Rollouts");
+                     p_e moves by `p_step` after each step toward the
                      target share of tied groups, within [p_min, 1]
   difficulty_window  skip a seen prompt whose posterior mean success is outside [low, high]
 Prompts never seen are always kept. Draws are deterministic given (seed, step). The filter

@@ -16,7 +16,7 @@ aborts the rest and returns it as partial sequences whose tokens and log-probs a
 A partial sequence is resumed later (under the same or newer weights) by a request carrying it
 as `Request.resume`: its prompt and partial completion are prefilled together and decoding goes
 on from its next token, drawn from the same key stream, so with unchanged weights it ends as the
-uninterrupted sequence would (partial rollouts: APRIL, arXiv 2509.18521; CoPRIS).
+uninterrupted sequence would (partial rollouts: APRIL; CoPRIS).
 
 `batching="static"` is the baseline continuous batching is measured against: requests are taken
 in batches of at most `max_concurrent_decodes` samples, and a batch is admitted only once every
