@@ -196,9 +196,11 @@ class PromptFilterConfig:
 
   method: str = _field(
     "none",
-    choices=("none", "greso", "difficulty_window"),
+    choices=("none", "greso", "difficulty_window", "thompson"),
     help="greso: skip a prompt whose last z visits all tied with probability 1 - p_e**z; "
-    "difficulty_window: skip a seen prompt whose posterior success is outside the window",
+    "difficulty_window: skip a seen prompt whose posterior success is outside the window; "
+    "thompson: of max_draws batches, keep the prompts whose Beta-sampled success p has the "
+    "largest p(1 - p)",
   )
   decay: float = _field(
     0.9, lo=0.0, hi=1.0, help="forgetting of the Beta posterior per visit (1 = never forget)"
@@ -213,7 +215,10 @@ class PromptFilterConfig:
   window_low: float = _field(0.05, lo=0.0, hi=1.0, help="difficulty_window: lowest success kept")
   window_high: float = _field(0.95, lo=0.0, hi=1.0, help="difficulty_window: highest kept")
   max_draws: int = _field(
-    4, lo=1, help="prompt batches drawn per step at most; short of prompts, skipped ones fill"
+    4,
+    lo=1,
+    help="prompt batches drawn per step at most (thompson: exactly); short of prompts, "
+    "skipped ones fill",
   )
 
 

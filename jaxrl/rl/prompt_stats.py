@@ -13,6 +13,10 @@ recent group-mean rewards. It is checkpointed with the RL step.
                      p_e moves by `p_step` after each step toward the
                      target share of tied groups, within [p_min, 1]
   difficulty_window  skip a seen prompt whose posterior mean success is outside [low, high]
+  thompson           draw max_draws batches, sample each prompt's success p ~ Beta(alpha,
+                     beta) (unseen: Beta(1, 1)) and keep the prompts_per_step with the largest
+                     p (1 - p), the expected reward variance of a group (VADE's Thompson
+                     sampler; the draws not kept are spent)
 Prompts never seen are always kept. Draws are deterministic given (seed, step). The filter
 draws at most `max_draws` prompt batches per step; if fewer than prompts_per_step prompts were
 kept by then, the earliest skipped ones fill the batch (the step keeps its shape, and the
@@ -25,7 +29,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-FILTERS = ("none", "greso", "difficulty_window")
+FILTERS = ("none", "greso", "difficulty_window", "thompson")
 
 
 class PromptStats:
@@ -95,6 +99,8 @@ class PromptFilter:
     """(the step's prompts_per_step records, stats): `records` first, then up to max_draws - 1
     more batches from `draw()` while too few are kept."""
     rng = np.random.default_rng([self.seed, step, 0x5E1EC7])
+    if self.cfg.method == "thompson":
+      return self._thompson(rng, records, draw)
     kept, skipped, draws, seen = [], [], 1, 0
     batch = list(records)
     while True:
@@ -111,6 +117,27 @@ class PromptFilter:
       "prompts/drawn": float(seen),
       "prompts/skipped": float(len(skipped)),
       "prompts/filler": float(filler),
+      "prompts/draws": float(draws),
+      "prompts/p_explore": float(self.p_explore),
+    }
+
+  def _thompson(self, rng, records, draw) -> tuple[list, dict]:
+    pool, draws = list(records), 1
+    while draw is not None and draws < self.cfg.max_draws:
+      pool += list(draw())
+      draws += 1
+    ab = []
+    for r in pool:
+      e = self.stats.get(r["prompt"])
+      ab.append((1.0, 1.0) if e is None else (e["alpha"], e["beta"]))
+    a, b = np.asarray(ab).T
+    p = rng.beta(a, b)
+    order = np.argsort(-(p * (1.0 - p)), kind="stable")[: self.num_prompts]
+    chosen = [pool[i] for i in sorted(order)]  # in draw order
+    return chosen, {
+      "prompts/drawn": float(len(pool)),
+      "prompts/skipped": float(len(pool) - len(chosen)),
+      "prompts/filler": 0.0,
       "prompts/draws": float(draws),
       "prompts/p_explore": float(self.p_explore),
     }
