@@ -9,6 +9,8 @@ from typing import Any, Literal
 import grain
 import numpy as np
 
+from jaxrl.data.stream import INDEX_SPACE, indexed_batches
+
 Record = dict[str, Any]
 Split = Literal["train", "held_out"]
 
@@ -22,8 +24,6 @@ _MAX_ATTEMPTS = 10_000
 # draw all of them without a coupon-collector wait.
 _ENUMERATE_MAX_DIGITS = 2
 _OPERAND_DISTS = ("uniform", "by_digits")
-# Records are generated from `default_rng([seed, i])`; 2**40 indices is "infinite" for training.
-_TRAIN_INDEX_SPACE = 2**40
 
 
 def _digit_range(digits: int) -> tuple[int, int]:
@@ -246,7 +246,7 @@ class ArithmeticTask:
     if isinstance(n, bool) or not isinstance(n, int) or n < 0:
       raise ValueError(f"n must be a non-negative int, got {n!r}")
     # The trailing tag keeps this stream apart from the training stream default_rng([seed, i]).
-    rng = np.random.default_rng([seed, _TRAIN_INDEX_SPACE])
+    rng = np.random.default_rng([seed, INDEX_SPACE])
     if self.max_digits <= _ENUMERATE_MAX_DIGITS:
       problems, p = self._held_out_problems()
       if n > len(problems):
@@ -290,17 +290,6 @@ class ArithmeticTask:
     iterator from a dataset built with the same `seed` and `batch_size`: with another
     batch_size the same state points at different records.
     """
-    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
-      raise ValueError(f"seed must be a non-negative int, got {seed!r}")
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-      raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
-
-    def make_record(i: int) -> Record:
-      return self.sample(np.random.default_rng([seed, int(i)]), split="train")
-
-    dataset = (
-      grain.MapDataset.range(_TRAIN_INDEX_SPACE).map(make_record).batch(batch_size, batch_fn=list)
+    return indexed_batches(
+      lambda rng: self.sample(rng, split="train"), seed=seed, batch_size=batch_size
     )
-    # Generation is pure Python and in memory: prefetch threads would only fight over the GIL
-    # (grain's default is 16 threads eagerly filling a 500-batch buffer).
-    return dataset.to_iter_dataset(grain.ReadOptions(num_threads=0, prefetch_buffer_size=0))

@@ -20,12 +20,13 @@ from typing import Any, Literal
 import grain
 import numpy as np
 
+from jaxrl.data.stream import INDEX_SPACE, indexed_batches
+
 Record = dict[str, Any]
 Split = Literal["train", "held_out"]
 
 _NUM_BUCKETS = 10_000
 _MAX_ATTEMPTS = 10_000
-_TRAIN_INDEX_SPACE = 2**40
 _DIGITS = re.compile(r"\d+")
 
 
@@ -123,7 +124,7 @@ class ChainSumTask:
     """`n` distinct held-out problems drawn from the training distribution, fixed by `seed`."""
     if isinstance(n, bool) or not isinstance(n, int) or n < 0:
       raise ValueError(f"n must be a non-negative int, got {n!r}")
-    rng = np.random.default_rng([seed, _TRAIN_INDEX_SPACE])
+    rng = np.random.default_rng([seed, INDEX_SPACE])
     seen, records = set(), []
     for _ in range(100 * n + _MAX_ATTEMPTS):
       if len(records) == n:
@@ -139,18 +140,9 @@ class ChainSumTask:
   def train_dataset(self, *, seed: int, batch_size: int) -> grain.IterDataset:
     """Batches (lists) of `batch_size` records; record i is drawn from default_rng([seed, i]),
     so the stream is checkpointable as grain's {"next_index": batches returned}."""
-    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
-      raise ValueError(f"seed must be a non-negative int, got {seed!r}")
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-      raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
-
-    def make_record(i: int) -> Record:
-      return self.sample(np.random.default_rng([seed, int(i)]), split="train")
-
-    dataset = (
-      grain.MapDataset.range(_TRAIN_INDEX_SPACE).map(make_record).batch(batch_size, batch_fn=list)
+    return indexed_batches(
+      lambda rng: self.sample(rng, split="train"), seed=seed, batch_size=batch_size
     )
-    return dataset.to_iter_dataset(grain.ReadOptions(num_threads=0, prefetch_buffer_size=0))
 
 
 def final_number(text: str) -> str | None:

@@ -135,6 +135,12 @@ class Experience:
       lambda p, t, v: token_logprobs(graphdef, p, t, v, temperature=temperature)
     )
 
+  def stateful(self) -> dict:
+    """The parts whose state lives across steps, by config section (rl.partial: the groups in
+    flight; rl.prompt_filter: the per-prompt statistics): each goes into the RL checkpoint."""
+    parts = {"partial": self.partial, "prompt_filter": self.prompt_filter}
+    return {name: part for name, part in parts.items() if part is not None}
+
   def sampler_params(self, step: int, params) -> nnx.State:
     """What the sampler reads at `step`: the learner's own param pytree (no copy, no sync), or
     with rl.rollout.quantize its quantized copy."""

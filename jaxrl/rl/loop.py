@@ -111,20 +111,13 @@ class Trainer:
       self.state = LearnerState(restored["train"], restored.get("critic"))
       if self.teacher:
         self.teacher.load_state_dict(meta.get("distill", {}))
-      if self.experience.partial is not None:
-        if "partial" not in meta:
+      for name, part in self.experience.stateful().items():
+        if name not in meta:
           raise ValueError(
             f"the RL checkpoint at step {latest} in {self.rl_ckpt.directory} was written "
-            "without rl.partial: it holds no groups in flight to resume"
+            f"without rl.{name}: it holds no state of it to resume"
           )
-        self.experience.partial.load_state_dict(meta["partial"])
-      if self.experience.prompt_filter is not None:
-        if "prompt_filter" not in meta:
-          raise ValueError(
-            f"the RL checkpoint at step {latest} in {self.rl_ckpt.directory} was written "
-            "without rl.prompt_filter: it holds no prompt statistics to resume"
-          )
-        self.experience.prompt_filter.load_state_dict(meta["prompt_filter"])
+        part.load_state_dict(meta[name])
       it.set_state(meta["data"])
       start = latest
       self.summary.update(meta.get("summary", {}))
@@ -187,10 +180,8 @@ class Trainer:
     meta = {"data": it.get_state(), "phase": "rl", "summary": dict(self.summary)}
     if self.teacher:
       meta["distill"] = self.teacher.state_dict()
-    if self.experience.partial is not None:
-      meta["partial"] = self.experience.partial.state_dict()
-    if self.experience.prompt_filter is not None:
-      meta["prompt_filter"] = self.experience.prompt_filter.state_dict()
+    for name, part in self.experience.stateful().items():
+      meta[name] = part.state_dict()
     self.rl_ckpt.save(step, self._checkpoint_item(), meta, force=force)
 
   def restore_params(self, phase: str = "latest") -> tuple[str, int, nnx.State]:
