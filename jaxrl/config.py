@@ -247,6 +247,39 @@ class PartialConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class PlacementConfig:
+  """Where the sampler runs and how stale its policy may be (rl.placement; jaxrl.rl.placement).
+
+  colocated: sampler and learner share the mesh and take turns; with max_staleness 0 the
+  sampler reads the learner's own arrays (no copy). split: the devices are divided into a
+  sampler sub-mesh and a learner sub-mesh that run concurrently (ROLL Flash; AReaL); each new
+  policy version is pushed to the sampler in one transfer. Batch s is sampled by policy version
+  max(0, s - max_staleness): the bound is used in full, so a run is reproducible and resumes
+  exactly, and with colocated it injects a known staleness (for off-policy experiments)."""
+
+  kind: str = _field(
+    "colocated",
+    choices=("colocated", "split"),
+    help="colocated: one mesh, sampler and learner take turns; split: two sub-meshes, "
+    "running concurrently",
+  )
+  sampler_fraction: float = _field(
+    0.5,
+    lo=0.0,
+    hi=1.0,
+    lo_open=True,
+    help="split: the share of the devices given to the sampler (at least one each side); "
+    "the learner's sub-mesh takes config.mesh's sizes over the rest",
+  )
+  max_staleness: int = _field(
+    0,
+    lo=0,
+    help="batch s is sampled by policy version max(0, s - max_staleness); split needs >= 1 "
+    "for the two sides to overlap",
+  )
+
+
+@dataclasses.dataclass(frozen=True)
 class RolloutConfig:
   """How RL samples, always through the engine (paged KV, one prefill per group, prompts of one
   length bucket prefilled in one call): `batching` is its admission policy."""
@@ -401,6 +434,7 @@ class RLConfig:
   partial: PartialConfig = dataclasses.field(default_factory=PartialConfig)
   prompt_filter: PromptFilterConfig = dataclasses.field(default_factory=PromptFilterConfig)
   rollout: RolloutConfig = dataclasses.field(default_factory=RolloutConfig)
+  placement: PlacementConfig = dataclasses.field(default_factory=PlacementConfig)
   critic: CriticConfig = dataclasses.field(default_factory=CriticConfig)
 
 
@@ -658,6 +692,14 @@ def validate(cfg) -> Config:
     "rl.prompt_filter.method",
     pf.method,
     "'none' with rl.partial.enabled (partial rollouts draw their prompts themselves)",
+  )
+  pl = c.rl.placement
+  check(
+    not c.rl.partial.enabled or (pl.kind == "colocated" and pl.max_staleness == 0),
+    "rl.partial.enabled",
+    c.rl.partial.enabled,
+    "False with rl.placement.kind='split' or rl.placement.max_staleness > 0 (partial rollouts "
+    "carry their own per-token staleness, bounded by rl.partial.max_age)",
   )
   d = c.distill
   check(

@@ -122,6 +122,19 @@ def make_mesh(
   )
 
 
+def split_devices(devices: Sequence[Any], sampler_fraction: float) -> tuple[list, list]:
+  """(learner devices, sampler devices): the last round(sampler_fraction * n) devices (at least
+  one, at most n - 1) go to the sampler, so each side's devices are contiguous."""
+  devices = list(devices)
+  n = len(devices)
+  if n < 2:
+    raise ValueError(
+      f"rl.placement.kind='split' needs at least 2 devices (one per side); there are {n}"
+    )
+  k = min(n - 1, max(1, round(sampler_fraction * n)))
+  return devices[: n - k], devices[n - k :]
+
+
 def _axis_tuple(mesh_axes: MeshAxes) -> tuple[str, ...]:
   if mesh_axes is None:
     return ()

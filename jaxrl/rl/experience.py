@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -36,10 +37,11 @@ from jaxrl.rollout.sampling import SamplingParams
 from jaxrl.rollout.types import Rollout
 
 
-def build_sampler(run: Run) -> GroupSampler:
+def build_sampler(run: Run, mesh=None) -> GroupSampler:
   """The one rollout path, for RL rounds and evaluation alike: the engine (paged KV, a group
-  prefilled once, every EOS id a stop). By default every sample of a step (with rl.partial:
-  every sample in flight) and every held-out prompt gets a slot."""
+  prefilled once, every EOS id a stop) on `mesh` (default: the run's; with a split placement
+  the rounds' sampler is on the sampler's sub-mesh). By default every sample of a step (with
+  rl.partial: every sample in flight) and every held-out prompt gets a slot."""
   cfg, rl = run.cfg, run.cfg.rl
   ro = rl.rollout
   groups = rl.prompts_per_step
@@ -59,7 +61,7 @@ def build_sampler(run: Run) -> GroupSampler:
     steps_per_call=ro.steps_per_call,
     batching=ro.batching,
     tokenizer=run.tokenizer,
-    mesh=run.mesh,
+    mesh=run.mesh if mesh is None else mesh,
     rules=run.rules,
     resumable=rl.partial.enabled,
   )
@@ -68,6 +70,42 @@ def build_sampler(run: Run) -> GroupSampler:
 def concat_rows(parts: list, rows: np.ndarray) -> Rollout:
   """Rows `rows` of the row-wise concatenation of same-structured host pytrees."""
   return jax.tree.map(lambda *xs: np.concatenate(xs)[rows], *parts)
+
+
+class StepRollouts(NamedTuple):
+  """One step's rollouts on the host, ready for the learner's half (`Experience.batch`): the
+  selected rows, their task rewards and row weights (0: a dynamic-sampling filler group), and
+  the host-side stats of the rounds that made them (rewards errors, engine counters, filters)."""
+
+  rollout: Rollout  # numpy arrays, prompt-major
+  rewards: np.ndarray  # [B] float32 task rewards
+  row_weight: np.ndarray  # [B] float32
+  stats: dict[str, float]
+
+  def to_json(self) -> dict:
+    """JSON-ready Python values (a checkpoint's meta): float32 values are written as the
+    doubles they widen to, so `from_json` gives them back bit for bit."""
+    return {
+      "rollout": {k: v.tolist() for k, v in self.rollout._asdict().items()},
+      "dtypes": {k: str(v.dtype) for k, v in self.rollout._asdict().items()},
+      "rewards": self.rewards.tolist(),
+      "rewards_dtype": str(self.rewards.dtype),
+      "row_weight": self.row_weight.tolist(),
+      "stats": dict(self.stats),
+    }
+
+  @classmethod
+  def from_json(cls, d: dict) -> StepRollouts:
+    try:
+      rollout = Rollout(**{k: np.asarray(v, d["dtypes"][k]) for k, v in d["rollout"].items()})
+      return cls(
+        rollout,
+        np.asarray(d["rewards"], d["rewards_dtype"]),
+        np.asarray(d["row_weight"], np.float32),
+        {k: float(v) for k, v in d["stats"].items()},
+      )
+    except (KeyError, TypeError, ValueError) as e:
+      raise ValueError(f"checkpoint's queued rollouts are malformed: {e!r}") from e
 
 
 def select_groups(
@@ -119,7 +157,6 @@ class Experience:
     # Quantize-on-sync: int8 copies of the projection weights, made once per step and shared by
     # every round; every other leaf is the learner's own array, as without quantization.
     self.quantize = Quantizer(rl.rollout.quantize) if rl.rollout.quantize != "none" else None
-    self._sampler_params = None  # (step, params the sampler reads at that step)
     # rl.partial: the groups in flight across steps (checkpointed with the step).
     self.partial = PartialRollouts(sampler, run.encode, rl=rl) if rl.partial.enabled else None
     # rl.prompt_filter: per-prompt statistics and the pre-rollout filter (checkpointed too).
@@ -141,25 +178,26 @@ class Experience:
     parts = {"partial": self.partial, "prompt_filter": self.prompt_filter}
     return {name: part for name, part in parts.items() if part is not None}
 
-  def sampler_params(self, step: int, params) -> nnx.State:
-    """What the sampler reads at `step`: the learner's own param pytree (no copy, no sync), or
-    with rl.rollout.quantize its quantized copy."""
-    if self.quantize is None:
-      return params
-    if self._sampler_params is None or self._sampler_params[0] != step:
-      self._sampler_params = (step, self.quantize(params))
-    return self._sampler_params[1]
+  def sampler_params(self, params) -> nnx.State:
+    """What the sampler reads for the learner's `params`: the very same pytree (no copy, no
+    sync), or with rl.rollout.quantize its quantized copy (made once per policy version, by
+    the caller: `collect` or the rollout pipeline's publish)."""
+    return params if self.quantize is None else self.quantize(params)
 
-  def sample(self, step: int, rnd: int, params, records) -> tuple[Rollout, np.ndarray, int, dict]:
-    """One round: G completions of each record's prompt, scored. Returns (host Rollout, task
-    rewards [B], reward-function errors, engine counters)."""
+  def sample(
+    self, step: int, rnd: int, params, records, *, version: int | None = None
+  ) -> tuple[Rollout, np.ndarray, int, dict]:
+    """One round: G completions of each record's prompt with the sampler's `params`
+    (`sampler_params`), scored; every token is stamped with
+    `version` (default: `step`, the learner's own). Returns (host Rollout, task rewards [B],
+    reward-function errors, engine counters)."""
     run, g = self.run, self.run.cfg.rl.group_size
     rollout, engine = self.sampler(
-      self.sampler_params(step, params),
+      params,
       run.encode(records),
       group_size=g,
       seed=run.seed(step, rnd),
-      version=step,
+      version=step if version is None else version,
     )
     texts = run.completions(rollout.tokens, rollout.lengths)
     r, n_err = run.score(texts, [rec for rec in records for _ in range(g)])
@@ -173,7 +211,7 @@ class Experience:
       raise ValueError("rl.partial needs next_records to draw prompts for the groups in flight")
     run, g = self.run, self.run.cfg.rl.group_size
     rollout, recs, engine, stats = self.partial.collect(
-      self.sampler_params(step, params), records, next_records, step=step, seed=run.seed(step, 0)
+      params, records, next_records, step=step, seed=run.seed(step, 0)
     )
     texts = run.completions(rollout.tokens, rollout.lengths)
     r, n_err = run.score(texts, [rec for rec in recs for _ in range(g)])
@@ -189,7 +227,18 @@ class Experience:
     ref_params=None,
     critic_params=None,
   ) -> tuple[TrainBatch, dict]:
-    """Roll out one step's batch with `params` and turn it into a TrainBatch on the mesh.
+    """Roll out one step's batch with `params` and turn it into a TrainBatch on the mesh:
+    `rollouts` then `batch`. Returns (batch, metrics): floats for what was computed on the
+    host, device scalars else."""
+    rolled = self.rollouts(step, self.sampler_params(params), records, next_records)
+    return self.batch(step, rolled, ref_params=ref_params, critic_params=critic_params)
+
+  def rollouts(
+    self, step: int, params, records, next_records: Callable | None = None, *, version=None
+  ) -> StepRollouts:
+    """The host half of a step: batch `step`'s completions sampled with `params` (what the
+    sampler reads, `sampler_params`: policy `version`, default `step`), scored and filtered;
+    nothing on the learner's side is read, so it may run on another sub-mesh and thread.
 
     With rl.dynamic_sampling (DAPO) groups whose task rewards all tie are dropped and rounds of
     fresh prompts (next_records() gives the next prompt batch) are sampled until
@@ -197,11 +246,10 @@ class Experience:
     that the batch is filled with the earliest dropped groups at zero loss weight
     (allocation.fill_groups), so shapes stay fixed. The filter reads the task reward, before
     overlong shaping (whose length term would make nearly every group look informative).
-    `ref_params` (for rl.kl.beta > 0) and `critic_params` (for a critic) are read on the device.
-    Returns (batch, metrics): floats for what was computed on the host, device scalars else.
     """
     rl = self.run.cfg.rl
     g, ds = rl.group_size, rl.dynamic_sampling
+    version = step if version is None else version
     selected = {}
     if self.prompt_filter is not None:
       records, selected = self.prompt_filter.select(step, records, next_records)
@@ -209,7 +257,7 @@ class Experience:
     if self.partial is not None:
       rounds = [self.sample_partial(step, params, records, next_records)]
     else:
-      rounds = [self.sample(step, 0, params, records)]
+      rounds = [self.sample(step, 0, params, records, version=version)]
     row_weight = np.ones(rounds[0][1].shape, np.float32)
     stats = dict(rounds[0][4]) if self.partial is not None else {}
     rounds = [x[:4] for x in rounds]
@@ -221,7 +269,7 @@ class Experience:
         if next_records is None:
           raise ValueError("rl.dynamic_sampling needs next_records to draw more prompts")
         round_records.append(next_records())
-        rounds.append(self.sample(step, len(rounds), params, round_records[-1]))
+        rounds.append(self.sample(step, len(rounds), params, round_records[-1], version=version))
       rollout = concat_rows([x[0] for x in rounds], rows)
       r = np.concatenate([x[1] for x in rounds])[rows]
     else:
@@ -232,23 +280,33 @@ class Experience:
       self.prompt_filter.stats.update(step, [x for rr in round_records for x in rr], sampled)
       self.prompt_filter.after_step(sampled)
     stats.update(selected)
-    shaped, weight, shape_stats = shape_rewards(r, rollout, rl)
-    stats.update(shape_stats)
-    host = rollout_columns(rollout, row_weight * weight)
-    batch, adv_stats = self.advantages(step, host, shaped, ref_params, critic_params)
     engine = {}
     for _, _, _, e in rounds:  # counters summed over the step's rounds
       for k, v in e.items():
         engine[k] = engine.get(k, 0.0) + float(v)
+    stats["rl/reward_errors"] = float(sum(x[2] for x in rounds))
+    stats.update({f"rollout/{k}": v for k, v in engine.items()})
+    return StepRollouts(jax.tree.map(np.asarray, rollout), np.asarray(r), row_weight, stats)
+
+  def batch(
+    self, step: int, rolled: StepRollouts, *, ref_params=None, critic_params=None
+  ) -> tuple[TrainBatch, dict]:
+    """The learner's half of a step: shaping, one transfer to the mesh, then the reference
+    log-probs, the KL and the advantages there. `ref_params` (for rl.kl.beta > 0) and
+    `critic_params` (for a critic) are read on the device."""
+    rl = self.run.cfg.rl
+    rollout, r = rolled.rollout, rolled.rewards
+    shaped, weight, shape_stats = shape_rewards(r, rollout, rl)
+    host = rollout_columns(rollout, rolled.row_weight * weight)
+    batch, adv_stats = self.advantages(step, host, shaped, ref_params, critic_params)
     stats = {
       "rl/reward_mean": float(r.mean()),
       "rl/reward_std": float(r.std()),
-      "rl/reward_errors": float(sum(x[2] for x in rounds)),
       **adv_stats,
       "rl/response_length": float(rollout.lengths.mean()),
       "rl/truncated_frac": float(rollout.truncated.mean()),
-      **stats,
-      **{f"rollout/{k}": v for k, v in engine.items()},
+      **rolled.stats,
+      **shape_stats,
     }
     return batch, stats
 

@@ -6,17 +6,21 @@ A run is composed of stages, each built once from the config:
   Evaluator    greedy and sampled held-out accuracy through that sampler (jaxrl.rl.evaluation)
   SFTPhase     the supervised warm-start with its own optimizer and checkpoints (jaxrl.rl.sft)
   Experience   sample -> score -> filter -> shape -> TrainBatch (jaxrl.rl.experience)
+  pipeline     which policy version samples which batch, and where (jaxrl.rl.placement)
   Learner      optimizer, policy loss, critic, epochs and mini-batches (jaxrl.rl.learner)
-One RL step: `batch, m = experience.collect(step, params, records)`, then
-`state, m = learner.update(state, batch, step)`, then one fetch of the step's metrics.
+One RL step: `rolled = pipeline.get(step)` (Experience's host half, sampled inline or by the
+sampler's own thread and sub-mesh), `batch = experience.batch(step, rolled)`, then
+`state, m = learner.update(state, batch, step)`, `pipeline.publish(step + 1, params)`, then
+one fetch of the step's metrics.
 
 The KL reference (rl.kl.beta > 0) is one rule for LoRA and full fine-tuning: the policy the RL
 phase starts from, i.e. the warm-started params. With full fine-tuning it is a frozen copy of
 them; with LoRA the frozen base is the learner's own arrays (no copy) and only the warm-started
 adapters are copied (`ref_params_now`).
 Checkpoints carry params, optimizer state, step, RNG and the data-iterator position (with
-rl.partial the groups in flight, with rl.prompt_filter the per-prompt statistics), so a resumed
-run repeats an uninterrupted one bit for bit on CPU.
+rl.partial the groups in flight, with rl.prompt_filter the per-prompt statistics, with a stale
+or split placement the batches sampled ahead), so a resumed run repeats an uninterrupted one
+bit for bit on CPU.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import time
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from jaxrl.config import Config
@@ -36,6 +41,7 @@ from jaxrl.rl import components
 from jaxrl.rl.evaluation import Evaluator
 from jaxrl.rl.experience import Experience, build_sampler
 from jaxrl.rl.learner import Learner, LearnerState
+from jaxrl.rl.placement import RolloutPipeline
 from jaxrl.rl.run import Run, abstract, restore_params
 from jaxrl.rl.sft import SFTPhase
 from jaxrl.rl.teacher import Teacher
@@ -48,7 +54,7 @@ class Trainer:
     self.cfg, self.log = cfg, log
     self.ctx = run = Run.build(cfg)
     self.workdir = run.workdir
-    self.sampler = build_sampler(run)
+    self.sampler = build_sampler(run)  # evaluation's, and the rounds' when colocated
     self.evaluate = Evaluator(run, self.sampler)
     self.metrics = MetricsWriter(run.workdir, use_tensorboard=cfg.log.tensorboard)
     self.sft = SFTPhase(run, evaluate=self.evaluate, metrics=self.metrics, log=log)
@@ -68,9 +74,9 @@ class Trainer:
         max_new_tokens=cfg.rl.max_new_tokens,
       )
     self.learner = Learner(run, temperature=temperature, teacher=self.teacher)
-    self.experience = Experience(
-      run, self.sampler, critic=self.learner.critic, teacher=self.teacher
-    )
+    rounds = self.sampler if run.sampler_mesh is None else build_sampler(run, run.sampler_mesh)
+    self.experience = Experience(run, rounds, critic=self.learner.critic, teacher=self.teacher)
+    self.pipeline = RolloutPipeline(run, self.experience, steps=cfg.rl.steps)
     self.rl_ckpt = run.checkpointer("rl")
     self.base_key = jax.random.key(cfg.seed)
     self.state: LearnerState | None = None
@@ -104,7 +110,7 @@ class Trainer:
       frozen = split_lora(self.sft_params)[0] if self.learner.trainable else self.sft_params
       self.ref_params = jax.tree.map(jnp.copy, frozen)
     it = iter(self.ctx.task.train_dataset(seed=cfg.seed, batch_size=rl.prompts_per_step))
-    start = 0
+    start, queued = 0, []
     latest = self.rl_ckpt.latest_step() if cfg.resume else None
     if latest is not None:
       restored, meta = self.rl_ckpt.restore(latest, self._checkpoint_item(abstract))
@@ -118,6 +124,8 @@ class Trainer:
             f"without rl.{name}: it holds no state of it to resume"
           )
         part.load_state_dict(meta[name])
+      if self.pipeline.stateful:
+        queued = self.pipeline.load(meta.get("placement"), latest)
       it.set_state(meta["data"])
       start = latest
       self.summary.update(meta.get("summary", {}))
@@ -129,40 +137,55 @@ class Trainer:
       self.summary["sampled_accuracy_after_sft"] = ev["eval/sampled_accuracy"]
     stop = rl.steps if until is None else min(until, rl.steps)
     progress = Progress(total=rl.steps, desc="rl", enabled=cfg.log.progress, initial=start)
-    for step in range(start, stop):
-      m = self.rl_step(step, next(it), next_records=lambda: next(it))
-      done = step + 1
-      if cfg.eval.every and done % cfg.eval.every == 0 or done == rl.steps:
-        m.update(self.evaluate(self.state.policy.params))
-      if done == rl.steps:
-        self._summarise(m, "after_rl")
-      self.metrics.write(done, {**m, "global_step": cfg.sft.steps + done}, phase="rl")
-      shown = {"reward": m["rl/reward_mean"]}
-      if "eval/accuracy" in m:
-        shown["acc"] = m["eval/accuracy"]
-      progress.update(1, **shown)
-      self._save_rl(done, it, force=done == stop)
+    self.pipeline.start(start, it, self.state.policy.params, queued)
+    try:
+      for step in range(start, stop):
+        m = self.rl_step(step)
+        done = step + 1
+        if cfg.eval.every and done % cfg.eval.every == 0 or done == rl.steps:
+          m.update(self.evaluate(self.state.policy.params))
+        if done == rl.steps:
+          self._summarise(m, "after_rl")
+        self.metrics.write(done, {**m, "global_step": cfg.sft.steps + done}, phase="rl")
+        shown = {"reward": m["rl/reward_mean"]}
+        if "eval/accuracy" in m:
+          shown["acc"] = m["eval/accuracy"]
+        progress.update(1, **shown)
+        self._save_rl(done, it, force=done == stop)
+    finally:
+      self.pipeline.close()
     progress.close()
     if stop == rl.steps and "accuracy_after_rl" not in self.summary:
       # Resumed from the final checkpoint: the loop above ran no step.
       self._summarise(self.evaluate(self.state.policy.params), "after_rl")
 
-  def rl_step(self, step: int, records, next_records=None) -> dict:
-    """Roll out, update, and fetch the step's metrics from the device once."""
+  def rl_step(self, step: int) -> dict:
+    """Take batch `step`'s rollouts, update, publish the new policy version, and fetch the
+    step's metrics from the device once."""
     t0 = time.perf_counter()
-    batch, rollout_m = self.experience.collect(
+    rolled, pipeline_m = self.pipeline.get(step)
+    batch, rollout_m = self.experience.batch(
       step,
-      self.state.policy.params,
-      records,
-      next_records,
+      rolled,
       ref_params=self.ref_params_now() if self.cfg.rl.kl.beta > 0 else None,
       critic_params=None if self.state.critic is None else self.state.critic.params,
     )
     t1 = time.perf_counter()
     self.state, update_m = self.learner.update(self.state, batch, step)
+    self.pipeline.publish(step + 1, self.state.policy.params)
     m = {k: float(v) for k, v in jax.device_get({**update_m, **rollout_m}).items()}
+    m.update(pipeline_m)
     m.update({"time/rollout_s": t1 - t0, "time/train_s": time.perf_counter() - t1})
+    self._count_staleness(step, rolled)
     return m
+
+  def _count_staleness(self, step: int, rolled) -> None:
+    """The run's staleness histogram (tokens trained on, by versions behind), in the summary."""
+    r = rolled.rollout
+    hist = self.summary.setdefault("staleness_histogram", {})
+    lag = (step - np.asarray(r.versions))[np.asarray(r.mask)]
+    for k, n in zip(*np.unique(lag, return_counts=True), strict=True):
+      hist[str(int(k))] = hist.get(str(int(k)), 0) + int(n)
 
   def _summarise(self, ev: dict, when: str) -> None:
     self.summary[f"accuracy_{when}"] = ev["eval/accuracy"]
@@ -177,11 +200,17 @@ class Trainer:
     return item
 
   def _save_rl(self, step: int, it, *, force: bool) -> None:
-    meta = {"data": it.get_state(), "phase": "rl", "summary": dict(self.summary)}
-    if self.teacher:
-      meta["distill"] = self.teacher.state_dict()
-    for name, part in self.experience.stateful().items():
-      meta[name] = part.state_dict()
+    if not force and step % self.rl_ckpt.save_every:
+      return
+    # The sampler is held while the prompt stream and its stateful parts are read.
+    with self.pipeline.paused(step) as placement:
+      meta = {"data": it.get_state(), "phase": "rl", "summary": dict(self.summary)}
+      if self.teacher:
+        meta["distill"] = self.teacher.state_dict()
+      for name, part in self.experience.stateful().items():
+        meta[name] = part.state_dict()
+      if self.pipeline.stateful:
+        meta["placement"] = placement
     self.rl_ckpt.save(step, self._checkpoint_item(), meta, force=force)
 
   def restore_params(self, phase: str = "latest") -> tuple[str, int, nnx.State]:
@@ -218,6 +247,7 @@ class Trainer:
     return dict(self.summary)
 
   def close(self) -> None:
+    self.pipeline.close()
     self.sft.ckpt.close()
     self.rl_ckpt.close()
     self.metrics.close()

@@ -21,7 +21,7 @@ import numpy as np
 from jaxrl import rewards
 from jaxrl.checkpoint import Checkpointer
 from jaxrl.config import Config, ConfigError
-from jaxrl.mesh import Rules, get_rules, make_mesh, named_sharding
+from jaxrl.mesh import Rules, get_rules, make_mesh, named_sharding, split_devices
 from jaxrl.models.config import ModelConfig
 from jaxrl.rl import components
 from jaxrl.rollout.collect import left_pad
@@ -46,11 +46,19 @@ class Run:
   reward_fn: Callable
   held_out: list[dict]
   batch_sharding: jax.sharding.NamedSharding  # rows over the mesh's batch axes
+  # rl.placement.kind='split': the sampler's sub-mesh ('mesh' is then the learner's); else None.
+  sampler_mesh: jax.sharding.Mesh | None = None
 
   @classmethod
   def build(cls, cfg: Config) -> Run:
     tok = components.build_tokenizer(cfg.model)
-    mesh = make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor)
+    devices, sampler_mesh = jax.devices(), None
+    if cfg.rl.placement.kind == "split":
+      # The learner takes config.mesh's sizes over its share; the sampler replicates the
+      # weights and splits its rows over all of its devices (decode reads every weight).
+      devices, sampler_devices = split_devices(devices, cfg.rl.placement.sampler_fraction)
+      sampler_mesh = make_mesh(data=-1, fsdp=1, tensor=1, devices=sampler_devices)
+    mesh = make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor, devices=devices)
     rules = get_rules(cfg.mesh.rules)
     model_cfg, graphdef, params = components.build_model(cfg.model, tok, mesh, rules, seed=cfg.seed)
     rl = cfg.rl
@@ -75,6 +83,7 @@ class Run:
       reward_fn=rewards.get(cfg.reward.name),
       held_out=task.held_out(cfg.eval.num_examples, seed=cfg.seed),
       batch_sharding=named_sharding(mesh, ("batch",), rules),
+      sampler_mesh=sampler_mesh,
     )
 
   # ------------------------------------------------------------------------- prompts and text

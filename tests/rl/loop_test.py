@@ -170,7 +170,17 @@ PARTIAL = {
 GRESO = {"prompt_filter": {"method": "greso", "greso_p_explore": 0.3}}
 
 
-@pytest.mark.parametrize("rl", [{}, PARTIAL, GRESO], ids=["sync", "partial", "greso"])
+# rl.placement: batches sampled ahead with old versions go into the checkpoint and come back
+# (colocated with an injected lag of 2; split sub-meshes one step off, the sampler in a thread).
+STALE = {"placement": {"max_staleness": 2}}
+SPLIT = {"placement": {"kind": "split", "max_staleness": 1}}
+
+
+@pytest.mark.parametrize(
+  "rl",
+  [{}, PARTIAL, GRESO, STALE, SPLIT],
+  ids=["sync", "partial", "greso", "stale", "split"],
+)
 def test_resume_repeats_an_uninterrupted_run(tmp_path, rl):
   def rl_lines(wd):
     out = []
@@ -199,6 +209,11 @@ def test_resume_repeats_an_uninterrupted_run(tmp_path, rl):
     np.testing.assert_array_equal(a, b)
   if rl is GRESO:  # the filter ran at every step, from the restored statistics after step 2
     assert all(line["prompts/drawn"] >= 8 for line in rl_lines(tmp_path / "part"))
+  if rl in (STALE, SPLIT):  # batches 2 (and 3) were sampled before the checkpoint, by 0 and 1
+    k = rl["placement"]["max_staleness"]
+    assert [line["async/staleness_max"] for line in rl_lines(tmp_path / "part")] == [
+      min(s, k) for s in range(4)
+    ]
   if rl is PARTIAL:  # the checkpoint at step 2 really held sequences in flight, resumed at 3
     lines = rl_lines(tmp_path / "full")
     assert lines[1]["partial/carried_sequences"] > 0
@@ -328,8 +343,8 @@ def _rl_trainer(tmp_path, reward_name, **rl):
   rounds = []
   inner = trainer.experience.sample
 
-  def spy(step, rnd, params, records):
-    out = inner(step, rnd, params, records)
+  def spy(step, rnd, params, records, **kw):
+    out = inner(step, rnd, params, records, **kw)
     rounds.append(np.asarray(out[1]).reshape(-1, 4))
     return out
 

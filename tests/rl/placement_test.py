@@ -1,0 +1,147 @@
+"""rl.placement: which policy version samples which batch, colocated and on split sub-meshes."""
+
+import jax
+import numpy as np
+import pytest
+
+import configs.grpo_arith as grpo_arith
+from jaxrl.config import ConfigError, validate
+from jaxrl.mesh import split_devices
+from jaxrl.metrics import read_jsonl
+from jaxrl.rl.loop import Trainer
+
+
+def _config(workdir, steps=5, **rl):
+  c = grpo_arith.get_config("smoke")
+  c.workdir = str(workdir)
+  c.log.progress = False
+  c.log.tensorboard = False
+  c.model.preset = "tiny"
+  c.sft.steps = 4
+  c.rl.steps = steps
+  c.rl.prompts_per_step = 4
+  c.rl.group_size = 4
+  c.eval.every = 0
+  c.eval.num_examples = 8
+  c.checkpoint.every = 2
+  c.rl.update(rl)
+  return validate(c)
+
+
+def _devices(tree) -> set:
+  return {d for x in jax.tree.leaves(tree) for d in x.sharding.device_set}
+
+
+def _spied_run(cfg):
+  """Run `cfg` and record, per batch: the params the sampler read, the learner's params of
+  every published version (host copies), and what each update trained on."""
+  trainer = Trainer(cfg, log=lambda *_: None)
+  published, sampled, trained = {}, [], []
+  pipeline, experience, learner = trainer.pipeline, trainer.experience, trainer.learner
+  publish, rollouts, update = pipeline.publish, experience.rollouts, learner.update
+
+  def spy_publish(version, params):
+    published[version] = jax.device_get(params)
+    return publish(version, params)
+
+  def spy_rollouts(step, params, records, next_records=None, *, version=None):
+    sampled.append((step, version, jax.device_get(params), _devices(params)))
+    return rollouts(step, params, records, next_records, version=version)
+
+  def spy_update(state, batch, step):
+    mask = np.asarray(batch.loss_mask) > 0
+    trained.append((step, np.asarray(batch.versions)[mask]))
+    return update(state, batch, step)
+
+  pipeline.publish, experience.rollouts, learner.update = spy_publish, spy_rollouts, spy_update
+  trainer.run()
+  trainer.close()
+  rows = [r for r in read_jsonl(trainer.workdir / "metrics.jsonl") if r["phase"] == "rl"]
+  return trainer, published, sampled, trained, rows
+
+
+def _assert_bounded(cfg, published, sampled, trained):
+  k = cfg.rl.placement.max_staleness
+  assert [s for s, _ in trained] == list(range(cfg.rl.steps))
+  for step, versions in trained:  # every consumed batch: exactly the configured lag, never more
+    assert versions.size and np.all(versions == max(0, step - k))
+    assert np.all(step - versions <= k)
+  assert sorted(s for s, *_ in sampled) == list(range(cfg.rl.steps))
+  for step, version, params, _ in sampled:  # and it was sampled by that version's weights
+    assert version == max(0, step - k)
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(published[version]), strict=True):
+      np.testing.assert_array_equal(a, b)
+
+
+def test_colocated_staleness_samples_batch_s_with_version_s_minus_k(tmp_path):
+  cfg = _config(tmp_path, placement={"max_staleness": 2})
+  trainer, published, sampled, trained, rows = _spied_run(cfg)
+  _assert_bounded(cfg, published, sampled, trained)
+  assert [r["async/staleness_max"] for r in rows] == [0, 1, 2, 2, 2]
+  assert all(r["time/push_s"] >= 0 for r in rows)
+  assert trainer.summary["staleness_histogram"].keys() == {"0", "1", "2"}
+
+
+def test_split_placement_on_8_devices_never_exceeds_max_staleness(tmp_path):
+  assert len(jax.devices()) == 8
+  cfg = _config(tmp_path, steps=6, placement={"kind": "split", "max_staleness": 1})
+  trainer, published, sampled, trained, rows = _spied_run(cfg)
+  _assert_bounded(cfg, published, sampled, trained)
+  learner_devices, sampler_devices = split_devices(jax.devices(), 0.5)
+  assert _devices(trainer.state.policy.params) == set(learner_devices)
+  for *_, devices in sampled:  # the rounds read weights pushed to the sampler's own devices
+    assert devices == set(sampler_devices)
+  assert [r["async/staleness_max"] for r in rows] == [0, 1, 1, 1, 1, 1]
+  for r in rows:
+    assert r["time/push_s"] > 0
+  for r in rows[1:]:
+    assert 0 <= r["time/learner_busy_frac"] <= 1
+    assert 0 <= r["time/sampler_busy_frac"] <= 1
+
+
+def test_split_sampler_failure_is_raised_not_hung(tmp_path, monkeypatch):
+  cfg = _config(tmp_path, steps=4, placement={"kind": "split", "max_staleness": 1})
+  trainer = Trainer(cfg, log=lambda *_: None)
+  rollouts = trainer.experience.rollouts
+
+  def failing(step, *args, **kw):
+    if step == 2:
+      raise OSError("disk on fire")
+    return rollouts(step, *args, **kw)
+
+  monkeypatch.setattr(trainer.experience, "rollouts", failing)
+  with pytest.raises(RuntimeError, match="sampler thread failed.*disk on fire"):
+    trainer.run()
+  trainer.close()
+
+
+def test_a_checkpoint_without_the_batches_sampled_ahead_is_refused(tmp_path):
+  Trainer(_config(tmp_path, steps=2), log=lambda *_: None).run()
+  stale = Trainer(_config(tmp_path, steps=4, placement={"max_staleness": 2}), log=print)
+  with pytest.raises(ValueError, match="written without rl.placement.max_staleness"):
+    stale.run()
+  stale.close()
+
+
+def test_a_checkpoint_of_another_staleness_is_refused(tmp_path):
+  Trainer(_config(tmp_path, steps=2, placement={"max_staleness": 1}), log=print).run()
+  other = Trainer(_config(tmp_path, steps=4, placement={"max_staleness": 3}), log=print)
+  with pytest.raises(ValueError, match="max_staleness=1; this run has 3"):
+    other.run()
+  other.close()
+
+
+def test_split_devices():
+  devs = list(range(8))
+  assert split_devices(devs, 0.5) == ([0, 1, 2, 3], [4, 5, 6, 7])
+  assert split_devices(devs, 0.25) == ([0, 1, 2, 3, 4, 5], [6, 7])
+  assert split_devices(devs, 0.01) == (devs[:7], [7])  # at least one each side
+  assert split_devices(devs, 1.0) == ([0], devs[1:])
+  with pytest.raises(ValueError, match="at least 2 devices"):
+    split_devices([0], 0.5)
+
+
+def test_partial_rollouts_with_a_stale_placement_is_a_config_error(tmp_path):
+  for placement in ({"kind": "split", "max_staleness": 1}, {"max_staleness": 2}):
+    with pytest.raises(ConfigError, match="rl.partial.enabled"):
+      _config(tmp_path, partial={"enabled": True}, placement=placement)
