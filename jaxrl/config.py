@@ -247,6 +247,48 @@ class PartialConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class AllocationConfig:
+  """In-step rollout allocation (rl.allocation; jaxrl.rl.allocation): a step's budget of
+  prompts_per_step * group_size samples is spent in rounds, every prompt getting `initial`
+  samples first and the rest going to the prompts whose rewards vary, so groups have variable
+  sizes (advantages, loss and metrics take them as they are). vigor: VIGOR's variance-greedy
+  rounds; pilot_commit: Pilot-Commit's pilot, then the rest to the prompts that varied."""
+
+  method: str = _field(
+    "none",
+    choices=("none", "vigor", "pilot_commit"),
+    help="none: group_size samples per prompt; vigor / pilot_commit: allocated in rounds",
+  )
+  initial: int = _field(2, lo=2, help="samples per prompt in the first round (the pilot)")
+  increment: int = _field(2, lo=1, help="vigor: samples one grant adds to a prompt")
+  rounds: int = _field(2, lo=1, help="vigor: rounds after the first (the budget split evenly)")
+  max_group: int = _field(0, lo=0, help="samples one prompt may get at most; 0 = 2 * group_size")
+
+
+@dataclasses.dataclass(frozen=True)
+class ReplayConfig:
+  """Rollout replay (rl.replay; jaxrl.rl.replay): recent informative groups are kept and mixed
+  into later batches, so a step samples fewer fresh ones ("Improving Data Efficiency for LLM
+  Reinforcement Fine-tuning Through Difficulty-targeted Online Data Selection and Rollout
+  Replay"). Replayed tokens keep their behaviour log-probs and versions: rl.offpolicy corrects
+  them like any stale token."""
+
+  ratio: float = _field(
+    0.0,
+    lo=0.0,
+    hi=1.0,
+    help="share of a step's groups taken from the buffer (floor(ratio * prompts_per_step), "
+    "once it holds that many); 0 = off",
+  )
+  max_age: int = _field(
+    2, lo=1, help="a stored group is evicted once its oldest token is this many versions old"
+  )
+  capacity: int = _field(
+    0, lo=0, help="groups kept, newest first; 0 = the replayed groups of max_age + 1 steps"
+  )
+
+
+@dataclasses.dataclass(frozen=True)
 class PlacementConfig:
   """Where the sampler runs and how stale its policy may be (rl.placement; jaxrl.rl.placement).
 
@@ -435,6 +477,8 @@ class RLConfig:
   prompt_filter: PromptFilterConfig = dataclasses.field(default_factory=PromptFilterConfig)
   rollout: RolloutConfig = dataclasses.field(default_factory=RolloutConfig)
   placement: PlacementConfig = dataclasses.field(default_factory=PlacementConfig)
+  replay: ReplayConfig = dataclasses.field(default_factory=ReplayConfig)
+  allocation: AllocationConfig = dataclasses.field(default_factory=AllocationConfig)
   critic: CriticConfig = dataclasses.field(default_factory=CriticConfig)
 
 
@@ -701,6 +745,55 @@ def validate(cfg) -> Config:
     "False with rl.placement.kind='split' or rl.placement.max_staleness > 0 (partial rollouts "
     "carry their own per-token staleness, bounded by rl.partial.max_age)",
   )
+  rp = c.rl.replay
+  if rp.ratio > 0:
+    n = math.floor(rp.ratio * c.rl.prompts_per_step)
+    check(
+      0 < n < c.rl.prompts_per_step,
+      "rl.replay.ratio",
+      rp.ratio,
+      f"0 (off) or a share whose floor(ratio * prompts_per_step={c.rl.prompts_per_step}) "
+      "is at least 1 group and leaves at least 1 fresh",
+    )
+    for name, on in (
+      ("rl.partial.enabled", c.rl.partial.enabled),
+      ("rl.dynamic_sampling.enabled", c.rl.dynamic_sampling.enabled),
+      ("rl.prompt_filter.method", pf.method != "none"),
+    ):
+      check(not on, name, on, "off with rl.replay.ratio > 0 (each decides the step's prompts)")
+    check(
+      rp.max_age > pl.max_staleness,
+      "rl.replay.max_age",
+      rp.max_age,
+      f"> rl.placement.max_staleness = {pl.max_staleness} (fresh groups are already that old)",
+    )
+    check(
+      c.rl.group_size >= 2,
+      "rl.group_size",
+      c.rl.group_size,
+      ">= 2 with rl.replay (only groups whose rewards differ are stored)",
+    )
+  al = c.rl.allocation
+  if al.method != "none":
+    check(
+      al.initial <= c.rl.group_size,
+      "rl.allocation.initial",
+      al.initial,
+      f"2 to rl.group_size = {c.rl.group_size} (the budget is group_size per prompt)",
+    )
+    check(
+      al.max_group == 0 or al.max_group >= c.rl.group_size,
+      "rl.allocation.max_group",
+      al.max_group,
+      f"0 (2 * group_size) or >= rl.group_size = {c.rl.group_size}",
+    )
+    for name, on in (
+      ("rl.partial.enabled", c.rl.partial.enabled),
+      ("rl.dynamic_sampling.enabled", c.rl.dynamic_sampling.enabled),
+      ("rl.prompt_filter.method", pf.method != "none"),
+      ("rl.replay.ratio", rp.ratio > 0),
+    ):
+      check(not on, name, on, f"off with rl.allocation.method={al.method!r}")
   d = c.distill
   check(
     not d.enabled or bool(d.teacher.path or d.teacher.preset),

@@ -178,6 +178,47 @@ def test_defaults_and_the_shipped_config_validate():
       r"rl\.partial\.enabled",
     ),
     (
+      {"rl": {"placement": {"kind": "split", "max_staleness": 1}, "partial": {"enabled": True}}},
+      r"config\.rl\.partial\.enabled=True is invalid; allowed: False with "
+      r"rl\.placement\.kind='split'",
+    ),
+    (
+      {"rl": {"placement": {"kind": "mixed"}}},
+      r"config\.rl\.placement\.kind='mixed' is invalid; allowed: \['colocated', 'split'\]",
+    ),
+    (
+      {"rl": {"prompts_per_step": 4, "replay": {"ratio": 0.2}}},
+      r"config\.rl\.replay\.ratio=0\.2 is invalid; allowed: 0 \(off\) or a share whose "
+      r"floor\(ratio \* prompts_per_step=4\) is at least 1 group",
+    ),
+    (
+      {"rl": {"replay": {"ratio": 0.5}, "dynamic_sampling": {"enabled": True}}},
+      r"config\.rl\.dynamic_sampling\.enabled=True is invalid; allowed: off with "
+      r"rl\.replay\.ratio > 0",
+    ),
+    (
+      {"rl": {"replay": {"ratio": 0.5, "max_age": 2}, "placement": {"max_staleness": 2}}},
+      r"config\.rl\.replay\.max_age=2 is invalid; allowed: > rl\.placement\.max_staleness = 2",
+    ),
+    (
+      {"rl": {"group_size": 4, "allocation": {"method": "vigor", "initial": 6}}},
+      r"config\.rl\.allocation\.initial=6 is invalid; allowed: 2 to rl\.group_size = 4",
+    ),
+    (
+      {"rl": {"group_size": 4, "allocation": {"method": "vigor", "max_group": 3}}},
+      r"config\.rl\.allocation\.max_group=3 is invalid; allowed: 0 \(2 \* group_size\) or "
+      r">= rl\.group_size = 4",
+    ),
+    (
+      {"rl": {"allocation": {"method": "pilot_commit"}, "partial": {"enabled": True}}},
+      r"config\.rl\.partial\.enabled=True is invalid; allowed: off with "
+      r"rl\.allocation\.method='pilot_commit'",
+    ),
+    (
+      {"rl": {"allocation": {"method": "vigor", "initial": 1}}},
+      r"config\.rl\.allocation\.initial=1 is out of range; must be >= 2",
+    ),
+    (
       {"task": {"name": "chain", "min_terms": 6, "max_terms": 4}},
       r"config\.task\.max_terms=4 is invalid; allowed: >= task\.min_terms = 6",
     ),

@@ -6,6 +6,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxrl.registry import ADVANTAGES as ESTIMATORS
 from jaxrl.rl import value
@@ -174,3 +175,33 @@ def _robust_median(rewards, mask, min_frac):
   q = 0.5 * (mid_lo + mid_hi)  # [num_groups, 1]
   # Groups with no valid sample have no admissible interval; their q is garbage but masked out.
   return jnp.where(mask & (n > 0), rewards - jnp.where(jnp.isfinite(q), q, 0.0), 0.0)
+
+
+def ragged_groups(values: np.ndarray, sizes) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+  """Prompt-major rows in groups of `sizes` as (padded [num_groups, max size], mask, rows [B]:
+  each row's index into the flattened padded array). Equal sizes give the plain reshape."""
+  sizes = np.asarray(sizes, np.int64)
+  if sizes.sum() != values.shape[0]:
+    raise ValueError(f"group sizes sum to {sizes.sum()}, the batch has {values.shape[0]} rows")
+  width = int(sizes.max())
+  group = np.repeat(np.arange(sizes.size), sizes)
+  within = np.arange(values.shape[0]) - np.repeat(np.cumsum(sizes) - sizes, sizes)
+  rows = group * width + within
+  padded = np.zeros(sizes.size * width, values.dtype)
+  padded[rows] = values
+  mask = np.zeros(sizes.size * width, bool)
+  mask[rows] = True
+  return padded.reshape(sizes.size, width), mask.reshape(sizes.size, width), rows
+
+
+def group_advantages(fn, rewards, sizes, **options) -> tuple[jax.Array, np.ndarray]:
+  """A group estimator `fn` over prompt-major rows [B] in groups of `sizes` (variable with
+  rl.allocation): it sees them padded to the largest group with a mask, so each group's
+  baseline reads its own samples only. Returns (advantages [B] on the device, [num_groups]
+  bool: the group's rewards all tie)."""
+  rewards = np.asarray(rewards, np.float32)
+  padded, mask, rows = ragged_groups(rewards, sizes)
+  adv = fn(jax.device_put(padded), jax.device_put(mask), **options).reshape(-1)
+  adv = adv if padded.size == rewards.size else jnp.take(adv, jnp.asarray(rows))
+  tied = np.where(mask, padded, -np.inf).max(axis=1) == np.where(mask, padded, np.inf).min(axis=1)
+  return adv, tied

@@ -34,3 +34,65 @@ def fill_groups(informative, need: int) -> tuple[np.ndarray, np.ndarray]:
   idx = np.concatenate([good, rest]).astype(np.int64)
   filler = np.arange(need) >= good.size
   return idx, filler
+
+
+# ------------------------------------------------------------------ in-step allocation (rounds)
+# A step's budget of B = prompts_per_step * group_size samples is spent in rounds: every prompt
+# first gets `initial` samples, then an allocator reads the rewards so far and gives the rest to
+# the prompts whose rewards vary. Every function here is pure and deterministic: ties go to the
+# lower prompt index, and the budget is spent exactly (the batch keeps B rows).
+
+
+def reward_variance(rewards: list[np.ndarray]) -> np.ndarray:
+  """[P] population variance of each prompt's rewards so far (0 for fewer than 2)."""
+  return np.array([float(np.var(r)) if len(r) > 1 else 0.0 for r in rewards])
+
+
+def _give(order, counts, cap: int, budget: int, per: int, once: bool) -> np.ndarray:
+  """Extra samples: `per` at a time to prompts in `order`, capped at `cap` samples each, until
+  `budget` is spent (once: each prompt at most once)."""
+  extra = np.zeros(len(counts), np.int64)
+  while budget > 0:
+    gave = False
+    for i in order:
+      room = cap - counts[i] - extra[i]
+      k = min(per, room, budget)
+      if k <= 0:
+        continue
+      extra[i] += k
+      budget -= k
+      gave = True
+      if budget == 0:
+        break
+    if once or not gave:
+      break
+  return extra
+
+
+def vigor_round(
+  rewards: list[np.ndarray], counts, *, budget: int, increment: int, cap: int, last: bool
+) -> np.ndarray:
+  """VIGOR (VarIance Guided Online Rollout allocation): `increment` more samples to each prompt
+  in descending order of its reward variance so far, one grant per prompt per round, until
+  this round's `budget` is spent; prompts at `cap` are passed over. On the `last` round
+  whatever is left goes round after round in the same order, so the step's budget is spent."""
+  var = reward_variance(rewards)
+  order = sorted(range(len(counts)), key=lambda i: (-var[i], i))
+  return _give(order, np.asarray(counts), cap, budget, increment, once=not last)
+
+
+def pilot_commit(rewards: list[np.ndarray], counts, *, budget: int, cap: int) -> np.ndarray:
+  """Pilot-Commit's commit stage: after the pilot (the first round), the remaining `budget`
+  goes one sample at a time, round-robin, to the prompts whose pilot rewards vary (the
+  high-leverage ones), in descending order of that variance; prompts that tied are skipped.
+  Only when every varying prompt has reached `cap` (or none varies) do the others get the
+  rest, so the budget is spent and the batch keeps its shape."""
+  var = reward_variance(rewards)
+  counts = np.asarray(counts)
+  varying = sorted((i for i in range(len(counts)) if var[i] > 0), key=lambda i: (-var[i], i))
+  extra = _give(varying, counts, cap, budget, 1, once=False)
+  rest = budget - int(extra.sum())
+  if rest:
+    others = [i for i in range(len(counts)) if var[i] == 0]
+    extra += _give(others, counts + extra, cap, rest, 1, once=False)
+  return extra

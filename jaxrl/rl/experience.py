@@ -23,18 +23,19 @@ from flax import nnx
 
 from jaxrl.models.transformer import token_logprobs
 from jaxrl.quant import Quantizer
-from jaxrl.rl.advantages import ESTIMATORS
-from jaxrl.rl.allocation import fill_groups, informative_groups
+from jaxrl.rl.advantages import ESTIMATORS, group_advantages
+from jaxrl.rl.allocation import fill_groups, informative_groups, pilot_commit, vigor_round
 from jaxrl.rl.batch import TrainBatch, rollout_columns
 from jaxrl.rl.kl import kl_estimate, kl_in_reward
 from jaxrl.rl.partial import PartialRollouts
 from jaxrl.rl.prompt_stats import PromptFilter, PromptStats
+from jaxrl.rl.replay import ReplayBuffer
 from jaxrl.rl.run import Run
 from jaxrl.rl.shaping import overlong_penalty, truncation_keep
 from jaxrl.rl.value import terminal_rewards
 from jaxrl.rollout.collect import GroupSampler
 from jaxrl.rollout.sampling import SamplingParams
-from jaxrl.rollout.types import Rollout
+from jaxrl.rollout.types import Rollout, rollout_from_json, rollout_to_json
 
 
 def build_sampler(run: Run, mesh=None) -> GroupSampler:
@@ -81,28 +82,27 @@ class StepRollouts(NamedTuple):
   rewards: np.ndarray  # [B] float32 task rewards
   row_weight: np.ndarray  # [B] float32
   stats: dict[str, float]
+  group_sizes: np.ndarray | None = None  # [num_groups] with rl.allocation; None: all group_size
 
   def to_json(self) -> dict:
-    """JSON-ready Python values (a checkpoint's meta): float32 values are written as the
-    doubles they widen to, so `from_json` gives them back bit for bit."""
+    """JSON-ready Python values (a checkpoint's meta), given back bit for bit by `from_json`."""
     return {
-      "rollout": {k: v.tolist() for k, v in self.rollout._asdict().items()},
-      "dtypes": {k: str(v.dtype) for k, v in self.rollout._asdict().items()},
+      "rollout": rollout_to_json(self.rollout),
       "rewards": self.rewards.tolist(),
-      "rewards_dtype": str(self.rewards.dtype),
       "row_weight": self.row_weight.tolist(),
       "stats": dict(self.stats),
+      "group_sizes": None if self.group_sizes is None else self.group_sizes.tolist(),
     }
 
   @classmethod
   def from_json(cls, d: dict) -> StepRollouts:
     try:
-      rollout = Rollout(**{k: np.asarray(v, d["dtypes"][k]) for k, v in d["rollout"].items()})
       return cls(
-        rollout,
-        np.asarray(d["rewards"], d["rewards_dtype"]),
+        rollout_from_json(d["rollout"]),
+        np.asarray(d["rewards"], np.float32),
         np.asarray(d["row_weight"], np.float32),
         {k: float(v) for k, v in d["stats"].items()},
+        None if d.get("group_sizes") is None else np.asarray(d["group_sizes"], np.int64),
       )
     except (KeyError, TypeError, ValueError) as e:
       raise ValueError(f"checkpoint's queued rollouts are malformed: {e!r}") from e
@@ -159,6 +159,12 @@ class Experience:
     self.quantize = Quantizer(rl.rollout.quantize) if rl.rollout.quantize != "none" else None
     # rl.partial: the groups in flight across steps (checkpointed with the step).
     self.partial = PartialRollouts(sampler, run.encode, rl=rl) if rl.partial.enabled else None
+    # rl.replay: recent informative groups mixed into later batches (checkpointed too).
+    self.replay = None
+    if rl.replay.ratio > 0:
+      self.replay = ReplayBuffer(
+        rl.replay, group_size=rl.group_size, num_prompts=rl.prompts_per_step
+      )
     # rl.prompt_filter: per-prompt statistics and the pre-rollout filter (checkpointed too).
     self.prompt_filter = None
     pf = rl.prompt_filter
@@ -174,8 +180,9 @@ class Experience:
 
   def stateful(self) -> dict:
     """The parts whose state lives across steps, by config section (rl.partial: the groups in
-    flight; rl.prompt_filter: the per-prompt statistics): each goes into the RL checkpoint."""
-    parts = {"partial": self.partial, "prompt_filter": self.prompt_filter}
+    flight; rl.prompt_filter: the per-prompt statistics; rl.replay: the stored groups): each
+    goes into the RL checkpoint."""
+    parts = {"partial": self.partial, "prompt_filter": self.prompt_filter, "replay": self.replay}
     return {name: part for name, part in parts.items() if part is not None}
 
   def sampler_params(self, params) -> nnx.State:
@@ -217,6 +224,68 @@ class Experience:
     r, n_err = run.score(texts, [rec for rec in recs for _ in range(g)])
     return rollout, r, n_err, engine, stats
 
+  def sample_allocated(self, step: int, params, records, *, version: int) -> tuple:
+    """rl.allocation's rounds: `initial` samples of every prompt, then the rest of the budget
+    (prompts_per_step * group_size samples) by the allocator, from the rewards so far
+    (jaxrl.rl.allocation). Sample j of prompt i is the same draw whichever round asks for it.
+    Returns (Rollout, prompt-major, groups of variable size; rewards; reward errors; engine
+    counters summed over the rounds; stats; group sizes [P])."""
+    run, rl = self.run, self.run.cfg.rl
+    al = rl.allocation
+    p = len(records)
+    budget, cap = p * rl.group_size, al.max_group or 2 * rl.group_size
+    prompts = run.encode(records)
+    counts = np.zeros(p, np.int64)
+    rewards = [np.zeros(0, np.float32) for _ in range(p)]
+    done, engine, n_err, passes = {}, {}, 0, 0
+    extra = np.full(p, al.initial, np.int64)
+    rounds = al.rounds if al.method == "vigor" else 1
+    pilot_varying = None
+    for rnd in range(rounds + 1):
+      if extra.sum():
+        samples = [range(counts[i], counts[i] + extra[i]) for i in range(p)]
+        got, st = self.sampler.sample_indices(
+          params, prompts, samples, stride=cap, seed=run.seed(step, 0), version=version
+        )
+        order = [(i, j) for i in range(p) for j in samples[i]]
+        new = [got[k] for k in order]
+        texts = run.completions([c.tokens for c in new], [len(c.tokens) for c in new])
+        r, e = run.score(texts, [records[i] for i, _ in order])
+        n_err, passes = n_err + e, passes + 1
+        for i, part in enumerate(np.split(r, np.cumsum(extra)[:-1])):  # order is prompt-major
+          rewards[i] = np.concatenate([rewards[i], part])
+        counts += extra
+        done.update(got)
+        for k, v in st.items():
+          engine[k] = engine.get(k, 0.0) + float(v)
+      if pilot_varying is None:
+        pilot_varying = sum(np.ptp(x) > 0 for x in rewards)
+      left = budget - int(counts.sum())
+      if left == 0:
+        break
+      if al.method == "vigor":
+        extra = vigor_round(
+          rewards,
+          counts,
+          budget=-(-left // (rounds - rnd)),
+          increment=al.increment,
+          cap=cap,
+          last=rnd + 1 == rounds,
+        )
+      else:
+        extra = pilot_commit(rewards, counts, budget=left, cap=cap)
+    if counts.sum() != budget:  # cannot happen: the last round spends what is left
+      raise RuntimeError(f"allocation spent {counts.sum()} samples of a budget of {budget}")
+    rollout = self.sampler.pack([done[i, j] for i in range(p) for j in range(counts[i])])
+    stats = {
+      "alloc/rounds": float(passes),
+      "alloc/group_size_min": float(counts.min()),
+      "alloc/group_size_max": float(counts.max()),
+      "alloc/pilot_varying_groups": float(pilot_varying),
+      "alloc/varying_groups": float(sum(np.ptp(x) > 0 for x in rewards)),
+    }
+    return rollout, np.concatenate(rewards), n_err, engine, stats, counts
+
   def collect(
     self,
     step: int,
@@ -250,16 +319,24 @@ class Experience:
     rl = self.run.cfg.rl
     g, ds = rl.group_size, rl.dynamic_sampling
     version = step if version is None else version
-    selected = {}
+    selected, num_replay = {}, 0
+    if self.replay is not None:
+      records, num_replay = self.replay.fresh_records(step, records or [], next_records)
+    elif records is None:  # the caller leaves the draw to us
+      records = next_records()
     if self.prompt_filter is not None:
       records, selected = self.prompt_filter.select(step, records, next_records)
     round_records = [records]
+    group_sizes = None
     if self.partial is not None:
       rounds = [self.sample_partial(step, params, records, next_records)]
+    elif rl.allocation.method != "none":
+      *first, group_sizes = self.sample_allocated(step, params, records, version=version)
+      rounds = [tuple(first)]
     else:
       rounds = [self.sample(step, 0, params, records, version=version)]
     row_weight = np.ones(rounds[0][1].shape, np.float32)
-    stats = dict(rounds[0][4]) if self.partial is not None else {}
+    stats = dict(rounds[0][4]) if len(rounds[0]) > 4 else {}
     rounds = [x[:4] for x in rounds]
     if ds.enabled:
       while True:
@@ -274,6 +351,19 @@ class Experience:
       r = np.concatenate([x[1] for x in rounds])[rows]
     else:
       rollout, r = rounds[0][0], rounds[0][1]
+    if self.replay is not None:
+      stats["replay/fresh_groups"] = float(len(records))
+      stats["replay/fresh_reward_mean"] = float(np.mean(r))
+      stats["replay/replayed_groups"] = float(num_replay)
+      if num_replay:
+        old, old_r, replay_stats = self.replay.take(step, num_replay)
+        stats.update(replay_stats)
+      self.replay.add(step, rollout, r)  # after taking: this step's groups wait for later
+      if num_replay:
+        rollout = jax.tree.map(lambda a, b: np.concatenate([a, b]), rollout, old)
+        r = np.concatenate([r, old_r])
+        row_weight = np.ones(rollout.lengths.shape, np.float32)
+      stats["replay/buffer_groups"] = float(len(self.replay.groups))
     if self.prompt_filter is not None:
       # Every group sampled this step informs its prompt's statistics, the dropped ones too.
       sampled = np.concatenate([x[1] for x in rounds]).reshape(-1, g)
@@ -286,7 +376,8 @@ class Experience:
         engine[k] = engine.get(k, 0.0) + float(v)
     stats["rl/reward_errors"] = float(sum(x[2] for x in rounds))
     stats.update({f"rollout/{k}": v for k, v in engine.items()})
-    return StepRollouts(jax.tree.map(np.asarray, rollout), np.asarray(r), row_weight, stats)
+    rollout = jax.tree.map(np.asarray, rollout)
+    return StepRollouts(rollout, np.asarray(r), row_weight, stats, group_sizes)
 
   def batch(
     self, step: int, rolled: StepRollouts, *, ref_params=None, critic_params=None
@@ -298,7 +389,9 @@ class Experience:
     rollout, r = rolled.rollout, rolled.rewards
     shaped, weight, shape_stats = shape_rewards(r, rollout, rl)
     host = rollout_columns(rollout, rolled.row_weight * weight)
-    batch, adv_stats = self.advantages(step, host, shaped, ref_params, critic_params)
+    batch, adv_stats = self.advantages(
+      step, host, shaped, ref_params, critic_params, group_sizes=rolled.group_sizes
+    )
     stats = {
       "rl/reward_mean": float(r.mean()),
       "rl/reward_std": float(r.std()),
@@ -311,10 +404,12 @@ class Experience:
     return batch, stats
 
   def advantages(
-    self, step: int, host: dict, shaped: np.ndarray, ref_params, critic_params
+    self, step: int, host: dict, shaped: np.ndarray, ref_params, critic_params, *, group_sizes=None
   ) -> tuple[TrainBatch, dict]:
     """(TrainBatch on the mesh, stats): one transfer of the host columns, then the reference
-    log-probs, the KL folded into the reward, and the advantages of the configured source."""
+    log-probs, the KL folded into the reward, and the advantages of the configured source.
+    `group_sizes` [num_groups] gives prompt-major groups of variable size (rl.allocation):
+    a group estimator then sees them padded to the largest, with a mask."""
     rl, run = self.run.cfg.rl, self.run
     dev = run.shard(host)
     batch = TrainBatch(
@@ -350,12 +445,14 @@ class Experience:
     # A group estimator: the sequence rewards (with the KL folded in, their per-token sums) on
     # one device, where op-by-op dispatch runs no cross-device collective.
     seq = shaped if token_rewards is None else jax.device_get(jnp.sum(token_rewards, axis=1))
-    seq = np.asarray(seq, np.float32).reshape(-1, rl.group_size)
-    adv = self.advantage_fn(jax.device_put(seq), scale_by_std=rl.scale_by_std).reshape(-1)
+    seq = np.asarray(seq, np.float32)
+    if group_sizes is None:
+      group_sizes = np.full(seq.size // rl.group_size, rl.group_size)
+    adv, tied = group_advantages(self.advantage_fn, seq, group_sizes, scale_by_std=rl.scale_by_std)
     batch = batch._replace(advantages=adv[:, None] * batch.loss_mask)
     stats.update({"rl/adv_mean": jnp.mean(adv), "rl/adv_std": jnp.std(adv)})
     if rl.group_size > 1:
-      stats["rl/zero_adv_groups"] = float(np.mean(np.all(seq == seq[:, :1], axis=1)))
+      stats["rl/zero_adv_groups"] = float(np.mean(tied))
     return batch, stats
 
 

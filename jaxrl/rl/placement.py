@@ -106,6 +106,10 @@ class RolloutPipeline:
     with self._cond:
       if version < self.version_for(self._next):
         return
+    if self.stateful:
+      # The update that made `params` may still be running: wait for it first, so the push
+      # time is the transfer's (the push could not start earlier anyway).
+      jax.block_until_ready(params)
     t0 = time.perf_counter()
     view = self.experience.sampler_params(params)
     if self.split:
@@ -212,9 +216,9 @@ class RolloutPipeline:
     b = self._next
     with self._cond:
       params = self._versions[self.version_for(b)]
-    records = next(self._records)
+    # The experience draws the batch's prompts itself (replay may need fewer than a batch).
     rolled = self.experience.rollouts(
-      b, params, records, lambda: next(self._records), version=self.version_for(b)
+      b, params, None, lambda: next(self._records), version=self.version_for(b)
     )
     with self._cond:
       self._ready[b] = rolled

@@ -139,22 +139,46 @@ class GroupSampler:
   ) -> tuple[Rollout, dict]:
     """Sample `group_size` completions of every prompt; rows are prompt-major, as the v0
     sampler's `[r for r in records for _ in range(G)]` layout."""
+    samples = [range(group_size)] * len(prompts)
+    by_id, stats = self.sample_indices(
+      params, prompts, samples, stride=group_size, seed=seed, version=version, sampling=sampling
+    )
+    return self.pack([by_id[i, j] for i in range(len(prompts)) for j in samples[i]]), stats
+
+  def sample_indices(
+    self,
+    params,
+    prompts: Sequence[Sequence[int]],
+    samples: Sequence[Sequence[int]],
+    *,
+    stride: int,
+    seed: int,
+    version: int = 0,
+    sampling: SamplingParams | None = None,
+  ) -> tuple[dict[tuple[int, int], Completion], dict]:
+    """Sample number j of prompt i for every j in samples[i] (in-step allocation asks for more
+    samples of some prompts in later rounds). The request id is i * stride + j (every j <
+    stride), so a sample is the same draw whichever others are asked for; the samples of one
+    prompt asked for together share one prefill. Returns ({(i, j): Completion}, stats)."""
     sampling = sampling or self.sampling
-    requests = [
-      Request(
-        prompt=list(p),
-        request_id=i * group_size + j,
-        group_id=i,
-        sampling=sampling,
-        max_new_tokens=self.max_new_tokens,
-        stop_token_ids=self.stop_ids,
-      )
-      for i, p in enumerate(prompts)
-      for j in range(group_size)
-    ]
+    requests = []
+    for i, (p, js) in enumerate(zip(prompts, samples, strict=True)):
+      for j in js:
+        if not 0 <= j < stride:
+          raise ValueError(f"sample {j} of prompt {i} is outside [0, stride={stride})")
+        requests.append(
+          Request(
+            prompt=list(p),
+            request_id=i * stride + j,
+            group_id=i,
+            sampling=sampling,
+            max_new_tokens=self.max_new_tokens,
+            stop_token_ids=self.stop_ids,
+          )
+        )
     result = self.driver.run(params, requests, policy_version=version, seed=seed)
-    by_id = {c.request_id: c for c in result.finished}
-    return self.pack([by_id[r.request_id] for r in requests]), dict(result.stats)
+    by_id = {divmod(c.request_id, stride): c for c in result.finished}
+    return by_id, dict(result.stats)
 
   def pack(self, completions: Sequence[Completion]) -> Rollout:
     """Completions (in the order given) as this sampler's fixed-shape `Rollout`."""

@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from typing import NamedTuple, Protocol
 
 import jax
+import numpy as np
 
 # Why a completion ended; `Rollout.finish_reason` holds the index into this tuple.
 FINISH_REASONS = ("stop", "stop_string", "length", "abort")
@@ -29,6 +30,20 @@ class Rollout(NamedTuple):
   lengths: jax.Array  # [B] int32 completion lengths (incl. the stop token)
   truncated: jax.Array  # [B] bool: ended by the length budget or aborted, not by a stop
   finish_reason: jax.Array  # [B] int32 index into FINISH_REASONS
+
+
+def rollout_to_json(rollout: Rollout) -> dict:
+  """A host Rollout as JSON-ready values (a checkpoint's meta): float32 values are written as
+  the doubles they widen to, so `rollout_from_json` gives them back bit for bit."""
+  arrays = {k: np.asarray(v) for k, v in rollout._asdict().items()}
+  return {
+    "arrays": {k: v.tolist() for k, v in arrays.items()},
+    "dtypes": {k: str(v.dtype) for k, v in arrays.items()},
+  }
+
+
+def rollout_from_json(d: dict) -> Rollout:
+  return Rollout(**{k: np.asarray(v, d["dtypes"][k]) for k, v in d["arrays"].items()})
 
 
 class Sampler(Protocol):
