@@ -176,6 +176,11 @@ class RolloutConfig:
   page_size: int = _field(16, lo=1, help="tokens per KV-cache page")
   num_pages: int = _field(0, lo=0, help="KV page budget; 0 = enough for every slot")
   steps_per_call: int = _field(8, lo=1, help="decode steps per jitted engine call")
+  overlap_rewards: bool = _field(
+    True,
+    help="detokenise and score each completion as soon as it finishes, while the engine's "
+    "next decode call runs (the same rewards; off: all at the end, in row order)",
+  )
   quantize: str = _field(
     "none",
     choices=("none", "int8"),

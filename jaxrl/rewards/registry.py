@@ -52,6 +52,7 @@ def compute_rewards(
   records: Sequence[dict[str, Any]],
   *,
   on_error: str,
+  sample_ids: Sequence[int] | None = None,
 ) -> tuple[np.ndarray, int]:
   """Applies `fn` to each (completion, record) pair.
 
@@ -62,6 +63,8 @@ def compute_rewards(
     on_error: what to do when `fn` raises or returns a non-number / non-finite value:
       "raise" raises `RewardError` naming the sample; "zero" scores that sample 0.0 and counts
       it, so one malformed completion cannot kill a long run (log the count as a metric).
+    sample_ids: how an error names each sample (default: its index here), for callers that
+      score a batch's samples in pieces.
 
   Returns:
     `(rewards, num_failures)`: float32 rewards of shape [len(completions)] and the number of
@@ -82,8 +85,9 @@ def compute_rewards(
       if on_error == "raise":
         prompt = record.get("prompt") if isinstance(record, dict) else None
         fn_name = getattr(fn, "__name__", repr(fn))
+        sample = i if sample_ids is None else sample_ids[i]
         raise RewardError(
-          f"reward {fn_name} failed on sample {i} (prompt {prompt!r}, completion "
+          f"reward {fn_name} failed on sample {sample} (prompt {prompt!r}, completion "
           f"{completion!r}): {type(e).__name__}: {e}"
         ) from e
       failures += 1

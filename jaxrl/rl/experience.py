@@ -199,15 +199,30 @@ class Experience:
     `version` (default: `step`, the learner's own). Returns (host Rollout, task rewards [B],
     reward-function errors, engine counters)."""
     run, g = self.run, self.run.cfg.rl.group_size
+    rows = [rec for rec in records for _ in range(g)]
+    scored: dict[int, float] = {}
+    errors = [0]
+
+    def score(done) -> None:  # completions as they finish; a request id is its row
+      ids = [c.request_id for c in done]
+      texts = run.completions([c.tokens for c in done], [len(c.tokens) for c in done])
+      r, n_err = run.score(texts, [rows[i] for i in ids], sample_ids=ids)
+      scored.update(zip(ids, r.tolist(), strict=True))
+      errors[0] += n_err
+
+    overlap = run.cfg.rl.rollout.overlap_rewards
     rollout, engine = self.sampler(
       params,
       run.encode(records),
       group_size=g,
       seed=run.seed(step, rnd),
       version=step if version is None else version,
+      on_finished=score if overlap else None,
     )
+    if overlap:
+      return rollout, np.array([scored[i] for i in range(len(rows))], np.float32), errors[0], engine
     texts = run.completions(rollout.tokens, rollout.lengths)
-    r, n_err = run.score(texts, [rec for rec in records for _ in range(g)])
+    r, n_err = run.score(texts, rows)
     return rollout, r, n_err, engine
 
   def sample_partial(self, step: int, params, records, next_records) -> tuple:

@@ -109,10 +109,13 @@ class Run:
   def completions(self, tokens, lengths) -> list[str]:
     return [self.tokenizer.decode(t[:n]) for t, n in zip(tokens, lengths, strict=True)]
 
-  def score(self, texts: list[str], records) -> tuple[np.ndarray, int]:
-    """(rewards [B], number of reward-function errors) of completions against their records."""
+  def score(self, texts: list[str], records, sample_ids=None) -> tuple[np.ndarray, int]:
+    """(rewards [B], number of reward-function errors) of completions against their records;
+    `sample_ids` name the samples in errors (default: their positions)."""
     on_error = self.cfg.reward.on_error
-    return rewards.compute_rewards(self.reward_fn, texts, records, on_error=on_error)
+    return rewards.compute_rewards(
+      self.reward_fn, texts, records, on_error=on_error, sample_ids=sample_ids
+    )
 
   # ---------------------------------------------------------------------------- placement, seeds
 

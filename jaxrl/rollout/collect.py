@@ -136,12 +136,21 @@ class GroupSampler:
     seed: int,
     version: int = 0,
     sampling: SamplingParams | None = None,
+    on_finished=None,
   ) -> tuple[Rollout, dict]:
     """Sample `group_size` completions of every prompt; rows are prompt-major, as the v0
-    sampler's `[r for r in records for _ in range(G)]` layout."""
+    sampler's `[r for r in records for _ in range(G)]` layout (a completion's request id is
+    its row). `on_finished` sees completions as they finish (`Driver.run`)."""
     samples = [range(group_size)] * len(prompts)
     by_id, stats = self.sample_indices(
-      params, prompts, samples, stride=group_size, seed=seed, version=version, sampling=sampling
+      params,
+      prompts,
+      samples,
+      stride=group_size,
+      seed=seed,
+      version=version,
+      sampling=sampling,
+      on_finished=on_finished,
     )
     return self.pack([by_id[i, j] for i in range(len(prompts)) for j in samples[i]]), stats
 
@@ -155,6 +164,7 @@ class GroupSampler:
     seed: int,
     version: int = 0,
     sampling: SamplingParams | None = None,
+    on_finished=None,
   ) -> tuple[dict[tuple[int, int], Completion], dict]:
     """Sample number j of prompt i for every j in samples[i] (in-step allocation asks for more
     samples of some prompts in later rounds). The request id is i * stride + j (every j <
@@ -176,7 +186,9 @@ class GroupSampler:
             stop_token_ids=self.stop_ids,
           )
         )
-    result = self.driver.run(params, requests, policy_version=version, seed=seed)
+    result = self.driver.run(
+      params, requests, policy_version=version, seed=seed, on_finished=on_finished
+    )
     by_id = {divmod(c.request_id, stride): c for c in result.finished}
     return by_id, dict(result.stats)
 

@@ -185,8 +185,14 @@ class Driver:
     policy_version: int = 0,
     seed: int = 0,
     stop_when: Callable[[Progress], bool] | None = None,
+    on_finished: Callable[[list[Completion]], None] | None = None,
   ) -> RunResult:
-    """Sample every request (or until `stop_when(progress)` holds); see the module docstring."""
+    """Sample every request (or until `stop_when(progress)` holds); see the module docstring.
+
+    `on_finished(completions)` is handed the sequences that finished since its last call, each
+    time the host has read a decode call's results and the next call is already running: host
+    work on them (detokenising, scoring) overlaps that device call. Every finished sequence is
+    handed over once, the last ones before `run` returns."""
     eng = self.engine
     units = self._units(requests)
     if self._state is None:
@@ -205,6 +211,7 @@ class Driver:
       "batches": 0,  # static batches started (continuous: 0)
     }
     done_units = [0]
+    reported = [0]  # finished sequences handed to on_finished so far
 
     def finish(seq: _Live, reason: str):
       if seq.slot is not None:
@@ -352,9 +359,14 @@ class Driver:
         dispatched = (res, owners.copy())
       if pending is not None:
         process(*pending)  # overlaps the call just dispatched
+        if on_finished is not None and len(finished) > reported[0]:
+          on_finished(finished[reported[0] :])  # so does the caller's host work
+          reported[0] = len(finished)
       pending = dispatched
     if pending is not None:
       process(*pending)  # already computed: keep its tokens
+    if on_finished is not None and len(finished) > reported[0]:
+      on_finished(finished[reported[0] :])
     partial = []
     for seq in list(live.values()):
       eng.free_resource(seq.slot)

@@ -543,3 +543,20 @@ def test_skipping_zero_advantage_rows_leaves_the_update_as_it_was(tmp_path):
   # summation order (train_step_test bounds that), which moves no parameter by 0.1% of a step.
   assert max(d.max() for d in diffs) <= 1e-3 * step
   trainer.close()
+
+
+def test_scoring_overlapped_with_decoding_gives_the_same_run(tmp_path):
+  def rl_lines(wd):
+    rows = [json.loads(x) for x in (wd / "metrics.jsonl").read_text().splitlines()]
+    return [
+      {k: v for k, v in r.items() if not k.startswith("time/")} for r in rows if r["phase"] == "rl"
+    ]
+
+  lines = {}
+  for overlap in (True, False):
+    cfg = _config(tmp_path / str(overlap), steps=2, rollout={"overlap_rewards": overlap})
+    trainer = Trainer(cfg, log=lambda *_: None)
+    trainer.run()
+    trainer.close()
+    lines[overlap] = rl_lines(tmp_path / str(overlap))
+  assert lines[True] == lines[False]

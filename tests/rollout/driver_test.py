@@ -347,3 +347,26 @@ def test_static_batching_matches_continuous_and_waits_for_whole_batches(monkeypa
   assert runs["static"][2]["decode_steps"] > runs["continuous"][2]["decode_steps"]
   with pytest.raises(ValueError, match="batching must be one of"):
     Driver(eng, batching="dynamic")
+
+
+def test_on_finished_sees_each_sequence_once_while_others_still_decode():
+  eng, (_, _, params) = _engine(), tiny_model()
+  driver = Driver(eng, steps_per_call=4, eos_id=None, tokenizer=TOK)
+  # Three slots for 10 requests of different lengths: they finish in waves.
+  reqs = [
+    Request(_prompt(k % 4), k, sampling=GREEDY, max_new_tokens=2 + 3 * (k % 4)) for k in range(10)
+  ]
+  calls = []
+
+  def on_finished(done):
+    calls.append(([c.request_id for c in done], eng.slot_pages.copy()))
+
+  res = driver.run(params, reqs, seed=3, on_finished=on_finished)
+  seen = [rid for ids, _ in calls for rid in ids]
+  assert sorted(seen) == sorted(c.request_id for c in res.finished) == list(range(10))
+  assert len(calls) > 2  # handed over in waves, not once at the end
+  assert any(live for _, live in calls[:-1])  # ... while other sequences were still decoding
+  again = driver.run(params, reqs, seed=3)  # the callback changes nothing sampled
+  first = {c.request_id: c.tokens for c in res.finished}
+  for c in again.finished:
+    np.testing.assert_array_equal(c.tokens, first[c.request_id])
