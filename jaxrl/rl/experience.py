@@ -256,11 +256,12 @@ class Experience:
     extra = np.full(p, al.initial, np.int64)
     rounds = al.rounds if al.method == "vigor" else 1
     pilot_varying = None
+    keep = {}  # each prompt's prefill, kept for the step's later rounds
     for rnd in range(rounds + 1):
       if extra.sum():
         samples = [range(counts[i], counts[i] + extra[i]) for i in range(p)]
         got, st = self.sampler.sample_indices(
-          params, prompts, samples, stride=cap, seed=run.seed(step, 0), version=version
+          params, prompts, samples, stride=cap, seed=run.seed(step, 0), version=version, keep=keep
         )
         order = [(i, j) for i in range(p) for j in samples[i]]
         new = [got[k] for k in order]

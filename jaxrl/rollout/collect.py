@@ -165,11 +165,15 @@ class GroupSampler:
     version: int = 0,
     sampling: SamplingParams | None = None,
     on_finished=None,
+    keep: dict | None = None,
   ) -> tuple[dict[tuple[int, int], Completion], dict]:
     """Sample number j of prompt i for every j in samples[i] (in-step allocation asks for more
     samples of some prompts in later rounds). The request id is i * stride + j (every j <
     stride), so a sample is the same draw whichever others are asked for; the samples of one
-    prompt asked for together share one prefill. Returns ({(i, j): Completion}, stats)."""
+    prompt asked for together share one prefill. With `keep` (a dict held for the rounds of one
+    step) each prompt is prefilled once, drawing the first tokens of all `stride` samples, and
+    later rounds insert their samples from that prefill (`Driver.run(keep=...)`).
+    Returns ({(i, j): Completion}, stats)."""
     sampling = sampling or self.sampling
     requests = []
     for i, (p, js) in enumerate(zip(prompts, samples, strict=True)):
@@ -184,10 +188,12 @@ class GroupSampler:
             sampling=sampling,
             max_new_tokens=self.max_new_tokens,
             stop_token_ids=self.stop_ids,
+            draws=None if keep is None else stride,
+            sample_index=j if keep is not None else 0,
           )
         )
     result = self.driver.run(
-      params, requests, policy_version=version, seed=seed, on_finished=on_finished
+      params, requests, policy_version=version, seed=seed, on_finished=on_finished, keep=keep
     )
     by_id = {divmod(c.request_id, stride): c for c in result.finished}
     return by_id, dict(result.stats)

@@ -78,6 +78,13 @@ class Request:
   stop_token_ids: tuple[int, ...] = ()
   stop_strings: tuple[str, ...] = ()
   resume: Resume | None = None
+  # A group prefilled for more samples than it asks for now (in-step allocation): `draws` first
+  # tokens are drawn at its prefill (sample j with the key of request id request_id -
+  # sample_index + j), and this request is sample `sample_index` of them. With Driver.run(
+  # keep=store) the prefill is kept, and a later run's requests of the same group_id are
+  # inserted from it: the prompt's KV is computed once per step.
+  draws: int | None = None
+  sample_index: int = 0
 
   @property
   def done_tokens(self) -> int:
@@ -186,13 +193,19 @@ class Driver:
     seed: int = 0,
     stop_when: Callable[[Progress], bool] | None = None,
     on_finished: Callable[[list[Completion]], None] | None = None,
+    keep: dict | None = None,
   ) -> RunResult:
     """Sample every request (or until `stop_when(progress)` holds); see the module docstring.
 
     `on_finished(completions)` is handed the sequences that finished since its last call, each
     time the host has read a decode call's results and the next call is already running: host
     work on them (detokenising, scoring) overlaps that device call. Every finished sequence is
-    handed over once, the last ones before `run` returns."""
+    handed over once, the last ones before `run` returns.
+
+    `keep` (a dict the caller owns for the runs of one step) holds the batched prefills of
+    groups whose requests set `draws`: a group found in it is not prefilled again, its samples
+    are inserted from the kept prefill (its KV cache and the first tokens drawn for every one of
+    its `draws` samples). The caller drops the dict when the step is over."""
     eng = self.engine
     units = self._units(requests)
     if self._state is None:
@@ -209,6 +222,7 @@ class Driver:
       "decode_steps": 0,
       "queued_waits": 0,
       "batches": 0,  # static batches started (continuous: 0)
+      "reused_prompts": 0,  # groups inserted from a prefill kept by an earlier run (keep=)
     }
     done_units = [0]
     reported = [0]  # finished sequences handed to on_finished so far
@@ -253,30 +267,56 @@ class Driver:
           budget -= len(group)
       if not admitted:
         return
-      free_slots = [s for s in range(eng.max_concurrent_decodes) if s not in live]
       # Whole prompts of one length bucket share one prefill call and one insert; prompts past
-      # a prefill chunk are prefilled chunk by chunk, one unit at a time.
+      # a prefill chunk are prefilled chunk by chunk, one unit at a time; groups kept from an
+      # earlier run of the step are inserted from their prefill, one insert per kept batch.
       buckets: dict[int, list[int]] = {}
+      reused: dict[int, list[int]] = {}
       for u in admitted:
         n = len(units[u][0].prefill_tokens)
-        if n <= eng.prefill_chunk_size:
+        gid = units[u][0].group_id
+        if keep is not None and gid is not None and gid in keep:
+          reused.setdefault(id(keep[gid][0]), []).append(u)
+        elif n <= eng.prefill_chunk_size:
           buckets.setdefault(eng.prefill_bucket(n), []).append(u)
         else:
           buckets.setdefault(-u - 1, []).append(u)  # a bucket of its own
+      for batch_units in reused.values():
+        batch, first, _ = keep[units[batch_units[0]][0].group_id]
+        members = [
+          (u, r, keep[r.group_id][2] + r.sample_index) for u in batch_units for r in units[u]
+        ]
+        stats["reused_prompts"] += len(batch_units)
+        place(batch, first, members, batched=True)
       for key, batch_units in buckets.items():
         groups = [units[u] for u in batch_units]
         reqs = [r for g in groups for r in g]
-        keys = np.array(request_keys(seed, [r.request_id for r in reqs]))
-        for j, r in enumerate(reqs):
-          if r.resume is not None:
-            keys[j] = np.asarray(r.resume.key, np.uint32)
-        index = [r.done_tokens for r in reqs]
+        # The samples each prompt draws at its prefill: its requests, or `draws` of them (a
+        # batched prefill only; a prompt prefilled in chunks is not kept).
+        spare = [key >= 0 and bool(g[0].draws) for g in groups]
+        drawn = [
+          [g[0].request_id - g[0].sample_index + j for j in range(g[0].draws)]
+          if sp
+          else [r.request_id for r in g]
+          for g, sp in zip(groups, spare, strict=True)
+        ]
+        keys = np.array(request_keys(seed, [rid for ids in drawn for rid in ids]))
+        # Per drawn sample: its sampling parameters and key-stream index; a resumed request's
+        # own key (spare draws are fresh samples of the group's first request's kind).
+        samplers, index, row = [], [], 0
+        for g, sp in zip(groups, spare, strict=True):
+          for r in [g[0]] * g[0].draws if sp else g:
+            if r.resume is not None:
+              keys[row] = np.asarray(r.resume.key, np.uint32)
+            samplers.append(r.sampling)
+            index.append(r.done_tokens)
+            row += 1
         if key >= 0:
           batch, first = eng.prefill_batch(
             params,
             [g[0].prefill_tokens for g in groups],
-            num_samples=[len(g) for g in groups],
-            sampler=[r.sampling for r in reqs],
+            num_samples=[len(ids) for ids in drawn],
+            sampler=samplers,
             rng=keys,
             max_new_tokens=[g[0].max_new_tokens - g[0].done_tokens for g in groups],
             stop_token_ids=[self._stop_ids(g[0]) for g in groups],
@@ -297,29 +337,44 @@ class Driver:
         stats["prefill_calls"] += 1
         stats["prefill_prompts"] += len(groups)
         first = first.convert_to_numpy()
-        slots, samples = [], []
-        members = [(u, r) for u, g in zip(batch_units, groups, strict=True) for r in g]
-        for j, (u, r) in enumerate(members):
-          seq = _Live(r, u, key=keys[j])
-          d = first.get_result_at_slot(j)
-          seq.tokens.append(int(d.tokens[0]))
-          seq.logprobs.append(float(d.log_prob[0]))
-          seq.versions.append(policy_version)
-          reason = self._host_finish(seq, bool(first.done[j]))
-          if reason:
-            finish(seq, reason)
-            continue
-          seq.slot = free_slots.pop(0)
-          slots.append(seq.slot)
-          samples.append(j)
-          live[seq.slot] = seq
-          owners[seq.slot] = r.request_id
-        if not slots:
+        offsets = np.cumsum([0] + [len(ids) for ids in drawn])
+        members = []
+        for k, (u, g) in enumerate(zip(batch_units, groups, strict=True)):
+          if spare[k] and keep is not None:
+            keep[g[0].group_id] = (batch, first, int(offsets[k]))
+          for j, r in enumerate(g):
+            row = offsets[k] + (r.sample_index if spare[k] else j)
+            members.append((u, r, int(row)))
+        place(batch, first, members, batched=key >= 0)
+
+    def place(batch, first, members, *, batched: bool):
+      """Start each (unit, request, sample row of the prefill) from its first token: retire it
+      at once if that token ends it, else give it a slot; one insert for them all."""
+      slots, samples = [], []
+      for u, r, j in members:
+        seq = _Live(r, u, key=np.asarray(batch.keys[j]))  # a resumed one's own key
+        d = first.get_result_at_slot(j)
+        seq.tokens.append(int(d.tokens[0]))
+        seq.logprobs.append(float(d.log_prob[0]))
+        seq.versions.append(policy_version)
+        reason = self._host_finish(seq, bool(first.done[j]))
+        if reason:
+          finish(seq, reason)
           continue
-        if key >= 0:
-          self._state = eng.insert_batch(batch, self._state, slots, samples)
-        else:
-          self._state = eng.bulk_insert(batch, self._state, slots, samples)
+        seq.slot = free_slots_now().pop(0)
+        slots.append(seq.slot)
+        samples.append(j)
+        live[seq.slot] = seq
+        owners[seq.slot] = r.request_id
+      if not slots:
+        return
+      if batched:
+        self._state = eng.insert_batch(batch, self._state, slots, samples)
+      else:
+        self._state = eng.bulk_insert(batch, self._state, slots, samples)
+
+    def free_slots_now() -> list[int]:
+      return [s for s in range(eng.max_concurrent_decodes) if s not in live]
 
     def process(result, owner_ids):
       data = result.convert_to_numpy()
@@ -411,6 +466,17 @@ class Driver:
             f"requests {r0.request_id} and {r.request_id} share group_id {r.group_id} but differ "
             "in prompt, max_new_tokens or stop conditions"
           )
+      if r0.draws is not None:
+        base = r0.request_id - r0.sample_index
+        for r in group:
+          if (r.draws, r.request_id - r.sample_index) != (r0.draws, base) or not (
+            0 <= r.sample_index < r.draws and r.group_id is not None and r.resume is None
+          ):
+            raise ValueError(
+              f"request {r.request_id}: a group drawing spare samples (draws) needs a group_id, "
+              "no resume, the same draws in every request, 0 <= sample_index < draws and "
+              "request ids base + sample_index"
+            )
       n_prefill, n_new = len(r0.prefill_tokens), r0.max_new_tokens - r0.done_tokens
       eng.check_prompt(n_prefill, n_new)
       if len(group) > eng.max_concurrent_decodes:

@@ -209,4 +209,9 @@ def test_a_run_spends_each_steps_budget_in_rounds_on_variable_groups(tmp_path, m
     assert sum(sizes) == 4 * 4 and min(sizes) >= 2 and max(sizes) <= 8
     assert row["alloc/group_size_min"] == min(sizes) and row["alloc/group_size_max"] == max(sizes)
     assert trained[step].tokens.shape[0] == 16  # the learner's shape never changes
+    # Each prompt prefilled once per step: later rounds insert from its kept prefill.
+    assert row["rollout/prefill_prompts"] == 4
+    assert row["rollout/reused_prompts"] == sum(
+      len([m for m in mine[1:] if m[i]]) for i in range(4)
+    )
   assert any(r["alloc/group_size_min"] != r["alloc/group_size_max"] for r in rows)

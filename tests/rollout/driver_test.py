@@ -370,3 +370,46 @@ def test_on_finished_sees_each_sequence_once_while_others_still_decode():
   first = {c.request_id: c.tokens for c in res.finished}
   for c in again.finished:
     np.testing.assert_array_equal(c.tokens, first[c.request_id])
+
+
+def test_a_kept_prefill_serves_a_groups_later_samples_without_prefilling_again():
+  eng, (_, _, params) = _engine(), tiny_model()
+  driver = Driver(eng, steps_per_call=4, eos_id=None, tokenizer=TOK)
+
+  def group_requests(k, samples, draws):
+    return [
+      Request(
+        _prompt(k + 1),  # at most a prefill chunk: a batched prefill, which is what is kept
+        100 * k + j,
+        group_id=k,
+        sampling=SAMPLED,
+        max_new_tokens=6,
+        draws=draws,
+        sample_index=j,
+      )
+      for j in samples
+    ]
+
+  keep = {}
+  first = driver.run(
+    params, group_requests(0, [0, 1], 3) + group_requests(1, [0], 3), seed=5, keep=keep
+  )
+  assert set(keep) == {0, 1} and first.stats["prefill_prompts"] == 2
+  later = driver.run(
+    params, group_requests(0, [2], 3) + group_requests(1, [1, 2], 3), seed=5, keep=keep
+  )
+  assert later.stats["prefill_calls"] == 0 and later.stats["reused_prompts"] == 2
+  # The same draws as one run asking for every sample at once, prefilled as usual.
+  whole = driver.run(
+    params, group_requests(0, range(3), 3) + group_requests(1, range(3), 3), seed=5
+  )
+  want = {c.request_id: c for c in whole.finished}
+  got = first.finished + later.finished
+  assert sorted(c.request_id for c in got) == sorted(want)
+  for c in got:
+    np.testing.assert_array_equal(c.tokens, want[c.request_id].tokens)
+    np.testing.assert_allclose(c.logprobs, want[c.request_id].logprobs, atol=1e-5)
+    _check_logprobs(c, SAMPLED)
+  assert eng.allocator.num_free == eng.num_pages  # every page back
+  with pytest.raises(ValueError, match="draws"):
+    driver.run(params, [Request(_prompt(1), 7, sampling=GREEDY, draws=2, sample_index=3)])
