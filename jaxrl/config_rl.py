@@ -409,7 +409,6 @@ def check_rl(rl: RLConfig) -> None:
     for name, on in (
       ("rl.partial.enabled", rl.partial.enabled),
       ("rl.dynamic_sampling.enabled", rl.dynamic_sampling.enabled),
-      ("rl.prompt_filter.method", pf.method != "none"),
       ("rl.replay.ratio", rp.ratio > 0),
     ):
       check(not on, name, on, f"off with rl.allocation.method={al.method!r}")

@@ -382,7 +382,11 @@ class Experience:
       stats["replay/buffer_groups"] = float(len(self.replay.groups))
     if self.prompt_filter is not None:
       # Every group sampled this step informs its prompt's statistics, the dropped ones too.
-      sampled = np.concatenate([x[1] for x in rounds]).reshape(-1, g)
+      sampled = np.concatenate([x[1] for x in rounds])
+      if group_sizes is None:
+        sampled = sampled.reshape(-1, g)
+      else:  # rl.allocation: prompt-major groups of group_sizes
+        sampled = np.split(sampled, np.cumsum(group_sizes)[:-1])
       self.prompt_filter.stats.update(step, [x for rr in round_records for x in rr], sampled)
       self.prompt_filter.after_step(sampled)
     stats.update(selected)

@@ -43,12 +43,16 @@ class PromptStats:
     return self.entries.get(prompt)
 
   def update(self, step: int, records, rewards) -> None:
-    """Fold one step's groups in: `rewards` [num_groups, G] of `records` [num_groups]. A
-    reward counts as a success in proportion to where it lies in [0, 1] (clipped)."""
-    rewards = np.asarray(rewards, np.float64)
-    if rewards.ndim != 2 or rewards.shape[0] != len(records):
-      raise ValueError(f"rewards must be [{len(records)}, G], got shape {rewards.shape}")
-    for record, r in zip(records, rewards, strict=True):
+    """Fold one step's groups in: `rewards` [num_groups, G] of `records` [num_groups], or one
+    1-D array per record when group sizes vary (rl.allocation). A reward counts as a success in
+    proportion to where it lies in [0, 1] (clipped)."""
+    groups = [np.asarray(r, np.float64) for r in rewards]
+    if len(groups) != len(records) or any(r.ndim != 1 or r.size == 0 for r in groups):
+      shapes = [r.shape for r in groups]
+      raise ValueError(
+        f"rewards must be [{len(records)}, G] or {len(records)} non-empty 1-D groups, got {shapes}"
+      )
+    for record, r in zip(records, groups, strict=True):
       e = self.entries.setdefault(
         record["prompt"],
         {"alpha": 1.0, "beta": 1.0, "zero_var": 0, "last_seen": -1, "visits": 0, "rewards": []},
@@ -143,11 +147,11 @@ class PromptFilter:
     }
 
   def after_step(self, rewards) -> None:
-    """GRESO's adaptive exploration: move p_e toward the target share of tied groups."""
+    """GRESO's adaptive exploration: move p_e toward the target share of tied groups (`rewards`:
+    the step's groups, [num_groups, G] or 1-D arrays of any sizes)."""
     if self.cfg.method != "greso":
       return
-    r = np.asarray(rewards)
-    tied = float(np.mean(np.all(r == r[:, :1], axis=1)))
+    tied = float(np.mean([np.ptp(np.asarray(r)) == 0 for r in rewards]))
     step = self.cfg.greso_p_step
     if tied > self.cfg.greso_target_tied:
       self.p_explore = max(self.cfg.greso_p_min, self.p_explore - step)

@@ -215,3 +215,42 @@ def test_a_run_spends_each_steps_budget_in_rounds_on_variable_groups(tmp_path, m
       len([m for m in mine[1:] if m[i]]) for i in range(4)
     )
   assert any(r["alloc/group_size_min"] != r["alloc/group_size_max"] for r in rows)
+
+
+def test_a_prompt_filter_composes_with_allocation_on_variable_groups(tmp_path):
+  # GRESO picks the step's prompts; VIGOR sizes their groups; the stats store folds in each
+  # prompt's own group, whatever its size.
+  c = grpo_arith.get_config("smoke")
+  c.workdir, c.log.progress, c.log.tensorboard = str(tmp_path), False, False
+  c.model.preset, c.sft.steps, c.eval.every, c.eval.num_examples = "tiny", 4, 0, 8
+  c.reward.name = "length_parity_for_allocation_test"
+  c.rl.update(dict(steps=3, prompts_per_step=4, group_size=4))
+  c.rl.allocation = dict(method="vigor", initial=2, increment=2, rounds=2)
+  c.rl.prompt_filter = dict(method="greso")
+  trainer = Trainer(validate(c), log=lambda *_: None)
+  stats = trainer.experience.prompt_filter.stats
+  folded, update = [], stats.update
+
+  def spy_update(step, records, rewards):
+    folded.append((step, [r["prompt"] for r in records], [np.array(g) for g in rewards]))
+    return update(step, records, rewards)
+
+  stats.update = spy_update
+  trainer.run()
+  trainer.close()
+  rows = [r for r in read_jsonl(tmp_path / "metrics.jsonl") if r["phase"] == "rl"]
+  assert [f[0] for f in folded] == [0, 1, 2] and len(rows) == 3
+  for (_, prompts, groups), row in zip(folded, rows, strict=True):
+    sizes = [g.size for g in groups]
+    assert len(prompts) == 4 and sum(sizes) == 16
+    assert (min(sizes), max(sizes)) == (row["alloc/group_size_min"], row["alloc/group_size_max"])
+    assert row["prompts/drawn"] >= 4
+  assert any(len(set(g.size for g in f[2])) > 1 for f in folded)  # the groups did vary
+  # The store holds each visit's own group mean.
+  seen = {}
+  for _, prompts, groups in folded:
+    for p, g in zip(prompts, groups, strict=True):
+      seen.setdefault(p, []).append(float(g.astype(np.float64).mean()))
+  for p, means in seen.items():
+    assert stats.get(p)["visits"] == len(means)
+    assert stats.get(p)["rewards"] == means[-len(stats.get(p)["rewards"]) :]

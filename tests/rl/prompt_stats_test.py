@@ -49,6 +49,27 @@ def test_beta_posterior_with_forgetting_and_tied_runs_by_hand():
     s.update(6, _recs("c"), [1.0, 0.0])
 
 
+def test_groups_of_different_sizes_update_like_their_own_rows():
+  # rl.allocation gives each prompt its own group size: each group counts on its own.
+  ragged, rows = PromptStats(decay=0.5, history=2), PromptStats(decay=0.5, history=2)
+  groups = [np.array([1.0, 0.0]), np.array([1.0, 1.0, 1.0, 1.0, 1.0, 1.0]), np.array([0.0, 0.5, 1])]
+  ragged.update(2, _recs("a", "b", "c"), groups)
+  for name, g in zip("abc", groups, strict=True):
+    rows.update(2, _recs(name), [g])
+  assert ragged.state_dict() == rows.state_dict()
+  assert (ragged.get("b")["alpha"], ragged.get("b")["beta"], ragged.get("b")["zero_var"]) == (
+    7.0,
+    1.0,
+    1,
+  )
+  assert ragged.get("c")["rewards"] == [0.5]
+  with pytest.raises(ValueError, match="non-empty 1-D groups"):
+    ragged.update(3, _recs("a", "b"), [np.array([1.0]), np.array([])])
+  f = PromptFilter(_cfg(), ragged, seed=0, num_prompts=3)
+  f.after_step(groups)  # 1 of 3 tied > 0.25: skip more
+  assert f.p_explore == pytest.approx(0.4)
+
+
 def test_greso_keep_probability_is_p_explore_to_the_tied_run():
   s = PromptStats(decay=1.0, history=4)
   for step in range(3):
