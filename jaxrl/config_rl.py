@@ -81,8 +81,10 @@ class PartialConfig:
   max_age: int = _field(
     4,
     lo=0,
-    help="a sequence may carry tokens drawn at most this many policy versions ago; a group "
-    "holding older ones is restarted from its prompt (0: nothing stale is ever trained on)",
+    help="a sequence may carry tokens drawn at most this many versions before the weights "
+    "that continue it; a group holding older ones is restarted from its prompt (0: none "
+    "carried across versions); with rl.placement's max_staleness k, tokens are <= k + max_age "
+    "versions behind the learner",
   )
 
 
@@ -356,15 +358,7 @@ def check_rl(rl: RLConfig) -> None:
     pf.method,
     "'none' with rl.partial.enabled (partial rollouts draw their prompts themselves)",
   )
-  pl = rl.placement
-  check(
-    not rl.partial.enabled or (pl.kind == "colocated" and pl.max_staleness == 0),
-    "rl.partial.enabled",
-    rl.partial.enabled,
-    "False with rl.placement.kind='split' or rl.placement.max_staleness > 0 (partial rollouts "
-    "carry their own per-token staleness, bounded by rl.partial.max_age)",
-  )
-  rp = rl.replay
+  pl, rp = rl.placement, rl.replay
   if rp.ratio > 0:
     n = math.floor(rp.ratio * rl.prompts_per_step)
     check(

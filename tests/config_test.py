@@ -178,11 +178,6 @@ def test_defaults_and_the_shipped_config_validate():
       r"rl\.partial\.enabled",
     ),
     (
-      {"rl": {"placement": {"kind": "split", "max_staleness": 1}, "partial": {"enabled": True}}},
-      r"config\.rl\.partial\.enabled=True is invalid; allowed: False with "
-      r"rl\.placement\.kind='split'",
-    ),
-    (
       {"rl": {"placement": {"kind": "mixed"}}},
       r"config\.rl\.placement\.kind='mixed' is invalid; allowed: \['colocated', 'split'\]",
     ),

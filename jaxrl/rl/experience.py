@@ -225,15 +225,15 @@ class Experience:
     r, n_err = run.score(texts, rows)
     return rollout, r, n_err, engine
 
-  def sample_partial(self, step: int, params, records, next_records) -> tuple:
-    """rl.partial's round: the groups in flight advanced until prompts_per_step are complete
-    (jaxrl.rl.partial), scored. Returns (Rollout, rewards, reward errors, engine counters,
-    partial-rollout stats)."""
+  def sample_partial(self, step: int, params, records, next_records, *, version: int) -> tuple:
+    """rl.partial's round: the groups in flight advanced by policy `version` until
+    prompts_per_step are complete (jaxrl.rl.partial), scored. Returns (Rollout, rewards,
+    reward errors, engine counters, partial-rollout stats)."""
     if next_records is None:
       raise ValueError("rl.partial needs next_records to draw prompts for the groups in flight")
     run, g = self.run, self.run.cfg.rl.group_size
     rollout, recs, engine, stats = self.partial.collect(
-      params, records, next_records, step=step, seed=run.seed(step, 0)
+      params, records, next_records, version=version, seed=run.seed(step, 0)
     )
     texts = run.completions(rollout.tokens, rollout.lengths)
     r, n_err = run.score(texts, [rec for rec in recs for _ in range(g)])
@@ -345,7 +345,7 @@ class Experience:
     round_records = [records]
     group_sizes = None
     if self.partial is not None:
-      rounds = [self.sample_partial(step, params, records, next_records)]
+      rounds = [self.sample_partial(step, params, records, next_records, version=version)]
     elif rl.allocation.method != "none":
       *first, group_sizes = self.sample_allocated(step, params, records, version=version)
       rounds = [tuple(first)]

@@ -17,9 +17,13 @@ the rest to the next step:
 Every token keeps the log-prob and version of the policy that drew it, so the loss's ratio is
 taken against each token's own behaviour policy (a cross-stage importance ratio), and
 rl.offpolicy's corrections (TIS, MIS, M2PO, decoupled PPO...) apply across the stages. A group
-holding a token more than `max_age` versions old is restarted from its prompt, so no batch is
-ever staler than that. The carried groups, the records drawn but not started and the id counter
-are checkpointed with the step (`state_dict`), so a resumed run carries the same sequences.
+holding a token more than `max_age` versions older than the weights that would continue it is
+restarted from its prompt, so no batch is ever staler than that; under a stale or split
+placement (rl.placement) those weights are themselves up to max_staleness versions behind the
+learner, so a trained token is at most max_staleness + max_age versions old (verl's fully-async
+mode: partial rollouts on a sampler that runs ahead). The carried groups, the records drawn
+but not started and the id counter are checkpointed with the step (`state_dict`), so a resumed
+run carries the same sequences.
 """
 
 from __future__ import annotations
@@ -88,9 +92,9 @@ class PartialRollouts:
   # ------------------------------------------------------------------------------ one step
 
   def collect(
-    self, params, records, draw: Callable, *, step: int, seed: int
+    self, params, records, draw: Callable, *, version: int, seed: int
   ) -> tuple[Rollout, list[dict], dict, dict]:
-    """Advance the groups in flight with `params` (policy version `step`) until
+    """Advance the groups in flight with `params` (policy `version`) until
     prompts_per_step of them are complete, and take those. `records` (this step's draw from the
     data stream) join the records waiting to start; `draw()` gives more when they run out.
 
@@ -101,7 +105,7 @@ class PartialRollouts:
     restarted = 0
     for group in self.groups:
       oldest = group.oldest_version()
-      if oldest is not None and step - oldest > self.max_age:
+      if oldest is not None and version - oldest > self.max_age:
         group.members = [Member() for _ in range(g)]  # too stale: from its prompt again
         restarted += 1
     while len(self.groups) < self.in_flight:
@@ -125,7 +129,7 @@ class PartialRollouts:
       return complete[0] >= self.num_groups
 
     result = self.sampler.driver.run(
-      params, requests, policy_version=step, seed=seed, stop_when=enough
+      params, requests, policy_version=version, seed=seed, stop_when=enough
     )
     for c in result.finished + result.partial:
       by_uid[c.request_id // g].members[c.request_id % g].update(c)
@@ -134,7 +138,7 @@ class PartialRollouts:
     self.groups = [group for group in self.groups if group.uid not in taken]
     rollout = self.sampler.pack([self._completion(group, j) for group in done for j in range(g)])
     mask = rollout.mask
-    stale = np.where(mask, step - rollout.versions, 0)
+    stale = np.where(mask, version - rollout.versions, 0)  # behind the sampler's weights
     carried = [m for group in self.groups for m in group.members if m.reason is None and m.tokens]
     stats = {
       "partial/in_flight_groups": float(len(self.groups)),

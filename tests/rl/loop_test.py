@@ -174,12 +174,14 @@ GRESO = {"prompt_filter": {"method": "greso", "greso_p_explore": 0.3}}
 # (colocated with an injected lag of 2; split sub-meshes one step off, the sampler in a thread).
 STALE = {"placement": {"max_staleness": 2}}
 SPLIT = {"placement": {"kind": "split", "max_staleness": 1}}
+# Both: the sampler thread one version behind, carrying unfinished sequences over.
+SPLIT_PARTIAL = {**PARTIAL, **SPLIT}
 
 
 @pytest.mark.parametrize(
   "rl",
-  [{}, PARTIAL, GRESO, STALE, SPLIT],
-  ids=["sync", "partial", "greso", "stale", "split"],
+  [{}, PARTIAL, GRESO, STALE, SPLIT, SPLIT_PARTIAL],
+  ids=["sync", "partial", "greso", "stale", "split", "split_partial"],
 )
 def test_resume_repeats_an_uninterrupted_run(tmp_path, rl):
   def rl_lines(wd):
@@ -214,7 +216,7 @@ def test_resume_repeats_an_uninterrupted_run(tmp_path, rl):
     assert [line["async/staleness_max"] for line in rl_lines(tmp_path / "part")] == [
       min(s, k) for s in range(4)
     ]
-  if rl is PARTIAL:  # the checkpoint at step 2 really held sequences in flight, resumed at 3
+  if rl in (PARTIAL, SPLIT_PARTIAL):  # the checkpoint at 2 held sequences in flight, resumed
     lines = rl_lines(tmp_path / "full")
     assert lines[1]["partial/carried_sequences"] > 0
     assert lines[2]["partial/resumed_sequences"] > 0

@@ -71,7 +71,7 @@ def _run(pr, steps, start=0, stream=None):
   stream = stream or _Stream()
   out = []
   for step in range(start, start + steps):
-    out.append(pr.collect(_params(step), stream(), stream, step=step, seed=100 + step))
+    out.append(pr.collect(_params(step), stream(), stream, version=step, seed=100 + step))
   return out
 
 
@@ -120,7 +120,7 @@ def test_over_provision_one_is_the_synchronous_sampler():
   pr = PartialRollouts(sampler, _encode, rl=_rl(over_provision=1.0))
   stream = _Stream()
   records = stream()
-  rollout, got_records, _, stats = pr.collect(_params(0), records, stream, step=0, seed=7)
+  rollout, got_records, _, stats = pr.collect(_params(0), records, stream, version=0, seed=7)
   sync, _ = sampler(_params(0), _encode(records), group_size=G, seed=7, version=0)
   assert got_records == records and stats["partial/carried_sequences"] == 0
   for name in ("prompt_tokens", "tokens", "mask", "versions", "lengths", "finish_reason"):

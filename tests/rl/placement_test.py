@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 import configs.grpo_arith as grpo_arith
-from jaxrl.config import ConfigError, validate
+from jaxrl.config import validate
 from jaxrl.mesh import split_devices
 from jaxrl.metrics import read_jsonl
 from jaxrl.rl.loop import Trainer
@@ -141,7 +141,27 @@ def test_split_devices():
     split_devices([0], 0.5)
 
 
-def test_partial_rollouts_with_a_stale_placement_is_a_config_error(tmp_path):
-  for placement in ({"kind": "split", "max_staleness": 1}, {"max_staleness": 2}):
-    with pytest.raises(ConfigError, match="rl.partial.enabled"):
-      _config(tmp_path, partial={"enabled": True}, placement=placement)
+def test_partial_rollouts_on_a_split_sampler_bound_every_token_by_k_plus_max_age(tmp_path):
+  # verl's fully-async mode: the sampler one version behind carries unfinished sequences over.
+  k, max_age = 1, 1
+  cfg = _config(
+    tmp_path,
+    steps=6,
+    placement={"kind": "split", "max_staleness": k},
+    partial={"enabled": True, "over_provision": 2.0, "max_age": max_age},
+    rollout={"steps_per_call": 2},
+  )
+  trainer, published, sampled, trained, rows = _spied_run(cfg)
+  assert [s for s, _ in trained] == list(range(6))
+  for step, versions in trained:
+    assert versions.size and np.all(step - versions <= k + max_age)
+    # No token is newer than the version the batch's sampler read (groups that completed in
+    # an earlier phase beyond its quota wait whole, so older is possible).
+    assert versions.max() <= max(0, step - k)
+  assert any(np.any(step - versions > k) for step, versions in trained)  # carried over
+  for step, version, params, _ in sampled:  # each batch sampled by that version's weights
+    assert version == max(0, step - k)
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(published[version]), strict=True):
+      np.testing.assert_array_equal(a, b)
+  assert max(r["async/staleness_max"] for r in rows) <= k + max_age
+  assert any(r["partial/resumed_sequences"] > 0 for r in rows)
