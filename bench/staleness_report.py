@@ -2,8 +2,8 @@
 job: held-out accuracy after RL, the PPO-clipped and the masked token fractions, per off-policy
 method and k, paired by seed against the synchronous baseline (k = 0, PPO-clip). Reads sweeps made
 with `python -m launch.sweep run ... --sft-from=<the baseline sweep>` (the same warm-starts),
-writes a markdown table to stdout and a PNG whose x-axes are cumulative rollouts and cumulative
-generated tokens.
+writes a markdown table to stdout, a PNG whose x-axes are cumulative rollouts and cumulative
+generated tokens, and the per-seed numbers as JSON.
 
   .venv/bin/python bench/staleness_report.py --baseline=runs/sweep/careless2d \
       --sweep k32_ppo=runs/sweep/stale_k32_ppo --sweep k32_m2po=runs/sweep/stale_k32_m2po \
@@ -139,6 +139,7 @@ def main(argv=None) -> int:
   ap.add_argument("--sweep", action="append", default=[], metavar="NAME=OUT")
   ap.add_argument("--isa", default="native")
   ap.add_argument("--png", default=None)
+  ap.add_argument("--json", default=None, help="write the per-seed numbers here")
   args = ap.parse_args(argv)
   base = _runs(Path(args.baseline), args.isa)
   cells = {"k0_ppo (baseline)": base}
@@ -162,6 +163,13 @@ def main(argv=None) -> int:
       f"| {_span([runs[s]['clip'] for s in seeds], 4)} "
       f"| {_span([runs[s]['masked'] for s in seeds], 4)} |"
     )
+  if args.json:
+    keep = ("acc", "clip", "masked", "evals")
+    raw = {
+      name: {str(s): {k: runs[s][k] for k in keep} for s in sorted(runs)}
+      for name, runs in cells.items()
+    }
+    Path(args.json).write_text(json.dumps(raw, indent=1) + "\n")
   if args.png:
     _plot(cells, args.png)
     print(f"\nplot: {args.png}")
