@@ -1,9 +1,9 @@
 """Training under injected staleness (rl.placement.max_staleness = k, colocated) on the default
-job: held-out accuracy after RL, the PPO-clipped and the masked token fractions, per off-policy
-method and k, paired by seed against the synchronous baseline (k = 0, PPO-clip). Reads sweeps made
-with `python -m launch.sweep run ... --sft-from=<the baseline sweep>` (the same warm-starts),
-writes a markdown table to stdout, a PNG whose x-axes are cumulative rollouts and cumulative
-generated tokens, and the per-seed numbers as JSON.
+job: held-out accuracy after RL, the PPO-clipped, masked and IS-truncated (or SAT-contracted)
+token fractions, per off-policy method and k, paired by seed against the synchronous baseline
+(k = 0, PPO-clip). Reads sweeps made with `python -m launch.sweep run ... --sft-from=<the
+baseline sweep>` (the same warm-starts), writes a markdown table to stdout, a PNG whose x-axes
+are cumulative rollouts and cumulative generated tokens, and the per-seed numbers as JSON.
 
   .venv/bin/python bench/staleness_report.py --baseline=runs/sweep/careless2d \
       --sweep k32_ppo=runs/sweep/stale_k32_ppo --sweep k32_m2po=runs/sweep/stale_k32_m2po \
@@ -60,6 +60,7 @@ def _runs(out: Path, isa: str) -> dict[int, dict]:
       "acc": run["summary"]["accuracy_after_rl"],
       "clip": statistics.fmean(r["rl/clip_frac"] for r in rows),
       "masked": statistics.fmean(r.get("offpolicy/masked_frac", 0.0) for r in rows),
+      "corrected": statistics.fmean(r.get("offpolicy/clipped_frac", 0.0) for r in rows),
       "steps": [r["step"] for r in rows],
       "clip_curve": [r["rl/clip_frac"] for r in rows],
       "evals": evals,
@@ -148,9 +149,9 @@ def main(argv=None) -> int:
     cells[name] = _runs(Path(out), args.isa)
   print(
     "| cell | seeds | accuracy after RL, mean (min–max) | − baseline, paired mean [95% CI] | "
-    "PPO-clipped tokens | masked tokens |"
+    "PPO-clipped tokens | masked tokens | IS-truncated or SAT-contracted tokens |"
   )
-  print("|---|---|---|---|---|---|")
+  print("|---|---|---|---|---|---|---|")
   for name, runs in list(cells.items()):
     seeds = sorted(set(runs) & set(base))
     if not seeds:
@@ -161,10 +162,11 @@ def main(argv=None) -> int:
     print(
       f"| {name} | {','.join(map(str, seeds))} | {_span(acc, 3)} | {m:+.3f} [{lo:+.3f}, {hi:+.3f}] "
       f"| {_span([runs[s]['clip'] for s in seeds], 4)} "
-      f"| {_span([runs[s]['masked'] for s in seeds], 4)} |"
+      f"| {_span([runs[s]['masked'] for s in seeds], 4)} "
+      f"| {_span([runs[s]['corrected'] for s in seeds], 4)} |"
     )
   if args.json:
-    keep = ("acc", "clip", "masked", "evals")
+    keep = ("acc", "clip", "masked", "corrected", "evals")
     raw = {
       name: {str(s): {k: runs[s][k] for k in keep} for s in sorted(runs)}
       for name, runs in cells.items()
