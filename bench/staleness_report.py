@@ -137,13 +137,14 @@ def _plot(cells: dict[str, dict], png: str) -> None:
 def main(argv=None) -> int:
   ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
   ap.add_argument("--baseline", required=True, help="the k = 0, PPO-clip sweep")
+  ap.add_argument("--baseline-name", default="k0_ppo (baseline)", help="its label")
   ap.add_argument("--sweep", action="append", default=[], metavar="NAME=OUT")
   ap.add_argument("--isa", default="native")
   ap.add_argument("--png", default=None)
   ap.add_argument("--json", default=None, help="write the per-seed numbers here")
   args = ap.parse_args(argv)
   base = _runs(Path(args.baseline), args.isa)
-  cells = {"k0_ppo (baseline)": base}
+  cells = {args.baseline_name: base}
   for item in args.sweep:
     name, out = item.split("=", 1)
     cells[name] = _runs(Path(out), args.isa)
