@@ -291,6 +291,13 @@ class RLConfig:
     16, lo=1, help="prompts per step; each is sampled group_size times"
   )
   group_size: int = _field(8, lo=1, help="samples per prompt; group estimators need >= 2")
+  prompt_pool: int = _field(
+    0,
+    lo=0,
+    help="0: an endless stream of the task's training prompts; n: the RL phase draws from a "
+    "fixed pool of the stream's first n distinct prompts, each epoch reshuffled, so prompts "
+    "come back (what per-prompt statistics and filters need)",
+  )
   max_prompt_len: int = _field(
     16, lo=1, help="the prompt bucket (left-padded); longer prompts are an error"
   )
@@ -344,6 +351,13 @@ def check_rl(rl: RLConfig) -> None:
     "rl.partial.enabled",
     rl.partial.enabled,
     "False with rl.dynamic_sampling.enabled (each allocates the step's rollouts its own way)",
+  )
+  check(
+    rl.prompt_pool == 0 or rl.prompt_pool >= rl.prompts_per_step,
+    "rl.prompt_pool",
+    rl.prompt_pool,
+    f"0 (an endless stream) or >= rl.prompts_per_step = {rl.prompts_per_step} (a batch "
+    "never repeats a prompt)",
   )
   pf = rl.prompt_filter
   check(

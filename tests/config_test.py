@@ -56,6 +56,11 @@ def test_defaults_and_the_shipped_config_validate():
       r"config\.rl\.group_size=1 is invalid; allowed: >= 2 with rl\.dynamic_sampling",
     ),
     ({"rl": {"group_size": 0}}, r"config\.rl\.group_size=0 is out of range; must be >= 1"),
+    (
+      {"rl": {"prompts_per_step": 16, "prompt_pool": 8}},
+      r"config\.rl\.prompt_pool=8 is invalid; allowed: 0 \(an endless stream\) or >= "
+      r"rl\.prompts_per_step = 16",
+    ),
     ({"rl": {"critic": {"lam": 1.5}}}, r"config\.rl\.critic\.lam=1\.5 is out of range"),
     ({"rl": {"critic": {"gamma": -0.1}}}, r"config\.rl\.critic\.gamma=-0\.1 is out of range"),
     (

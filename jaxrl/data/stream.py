@@ -1,7 +1,9 @@
-"""The training stream of a synthetic task: record i drawn from default_rng([seed, i])."""
+"""Training streams: a synthetic task's (record i drawn from default_rng([seed, i])) and a fixed
+prompt pool's (rl.prompt_pool), epoch after epoch."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import grain
@@ -31,4 +33,54 @@ def indexed_batches(
   dataset = grain.MapDataset.range(INDEX_SPACE).map(make_record).batch(batch_size, batch_fn=list)
   # Generation is pure Python and in memory: prefetch threads would only fight over the GIL
   # (grain's default is 16 threads eagerly filling a 500-batch buffer).
+  return dataset.to_iter_dataset(grain.ReadOptions(num_threads=0, prefetch_buffer_size=0))
+
+
+def draw_pool(task, n: int, *, seed: int) -> list[dict]:
+  """The first `n` distinct prompts (by record["prompt"]) of `task`'s training stream for `seed`,
+  in stream order. A ValueError if the stream holds fewer: a file-backed task is read for one
+  epoch, a synthetic one for up to 100 * n records."""
+  if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+    raise ValueError(f"a prompt pool needs n >= 1 prompts, got {n!r}")
+  size = len(task.records("train")) if hasattr(task, "records") else None
+  limit = size if size is not None else 100 * n
+  pool, seen, read = [], set(), 0
+  for batch in task.train_dataset(seed=seed, batch_size=min(n, limit)):
+    for record in batch:
+      if read == limit or len(pool) == n:
+        break
+      read += 1
+      if record["prompt"] not in seen:
+        seen.add(record["prompt"])
+        pool.append(record)
+    if read == limit or len(pool) == n:
+      break
+  if len(pool) < n:
+    where = f"the {size} training records" if size is not None else f"{limit} draws"
+    raise ValueError(f"a pool of {n} distinct prompts was asked for, but {where} hold {len(pool)}")
+  return pool
+
+
+def pooled_batches(records: list[dict], *, seed: int, batch_size: int) -> grain.IterDataset:
+  """Batches (lists) of `batch_size` records from a fixed pool, epoch after epoch: record i
+  (counting across batches) is `records[perm_e[i % n]]`, e = i // n, perm_e drawn by
+  `default_rng([seed, INDEX_SPACE, e])` (apart from the synthetic streams' record seeds), so it
+  depends only on (seed, i). State and resume as `indexed_batches`."""
+  if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+    raise ValueError(f"seed must be a non-negative int, got {seed!r}")
+  if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+    raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+  n = len(records)
+  if n == 0:
+    raise ValueError("a prompt pool needs at least one record")
+
+  @functools.lru_cache(maxsize=2)  # consecutive indices share an epoch's permutation
+  def permutation(epoch: int) -> np.ndarray:
+    return np.random.default_rng([seed, INDEX_SPACE, epoch]).permutation(n)
+
+  def make_record(i: int) -> dict:
+    i = int(i)
+    return dict(records[permutation(i // n)[i % n]])  # a copy: callers may annotate records
+
+  dataset = grain.MapDataset.range(INDEX_SPACE).map(make_record).batch(batch_size, batch_fn=list)
   return dataset.to_iter_dataset(grain.ReadOptions(num_threads=0, prefetch_buffer_size=0))

@@ -109,7 +109,7 @@ class Trainer:
       # Frozen before the first step donates the warm-started buffers; the learner moves on.
       frozen = split_lora(self.sft_params)[0] if self.learner.trainable else self.sft_params
       self.ref_params = jax.tree.map(jnp.copy, frozen)
-    it = iter(self.ctx.task.train_dataset(seed=cfg.seed, batch_size=rl.prompts_per_step))
+    it = iter(self.ctx.rl_stream())
     start, queued = 0, []
     latest = self.rl_ckpt.latest_step() if cfg.resume else None
     if latest is not None:

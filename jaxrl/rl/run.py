@@ -21,6 +21,7 @@ import numpy as np
 from jaxrl import rewards
 from jaxrl.checkpoint import Checkpointer
 from jaxrl.config import Config, ConfigError
+from jaxrl.data.stream import draw_pool, pooled_batches
 from jaxrl.mesh import Rules, get_rules, make_mesh, named_sharding, split_devices
 from jaxrl.models.config import ModelConfig
 from jaxrl.rl import components
@@ -48,6 +49,8 @@ class Run:
   batch_sharding: jax.sharding.NamedSharding  # rows over the mesh's batch axes
   # rl.placement.kind='split': the sampler's sub-mesh ('mesh' is then the learner's); else None.
   sampler_mesh: jax.sharding.Mesh | None = None
+  # rl.prompt_pool > 0: the fixed pool the RL phase draws its prompts from; else None.
+  prompt_pool: list[dict] | None = None
 
   @classmethod
   def build(cls, cfg: Config) -> Run:
@@ -69,6 +72,12 @@ class Run:
       )
     workdir = Path(cfg.workdir)
     task = components.build_task(cfg.task, workdir, seed=cfg.seed)
+    pool = None
+    if rl.prompt_pool:
+      try:
+        pool = draw_pool(task, rl.prompt_pool, seed=cfg.seed)
+      except ValueError as e:
+        raise ConfigError(f"config.rl.prompt_pool={rl.prompt_pool}: {e}") from e
     return cls(
       cfg=cfg,
       workdir=workdir,
@@ -84,7 +93,16 @@ class Run:
       held_out=task.held_out(cfg.eval.num_examples, seed=cfg.seed),
       batch_sharding=named_sharding(mesh, ("batch",), rules),
       sampler_mesh=sampler_mesh,
+      prompt_pool=pool,
     )
+
+  def rl_stream(self):
+    """The RL phase's prompt batches (grain, checkpointable): the task's endless stream, or the
+    fixed pool's epochs with rl.prompt_pool."""
+    rl, seed = self.cfg.rl, self.cfg.seed
+    if self.prompt_pool is None:
+      return self.task.train_dataset(seed=seed, batch_size=rl.prompts_per_step)
+    return pooled_batches(self.prompt_pool, seed=seed, batch_size=rl.prompts_per_step)
 
   # ------------------------------------------------------------------------- prompts and text
 

@@ -166,8 +166,9 @@ PARTIAL = {
 }
 
 
-# rl.prompt_filter: the per-prompt statistics go into the checkpoint and come back.
-GRESO = {"prompt_filter": {"method": "greso", "greso_p_explore": 0.3}}
+# rl.prompt_filter: the per-prompt statistics go into the checkpoint and come back; a pool of
+# 12 prompts (8 a step) brings them back across it, where the restored statistics skip some.
+GRESO = {"prompt_filter": {"method": "greso", "greso_p_explore": 0.3}, "prompt_pool": 12}
 
 
 # rl.placement: batches sampled ahead with old versions go into the checkpoint and come back
@@ -210,7 +211,9 @@ def test_resume_repeats_an_uninterrupted_run(tmp_path, rl):
   for a, b in zip(jax.tree.leaves(full_params), jax.tree.leaves(resumed_params), strict=True):
     np.testing.assert_array_equal(a, b)
   if rl is GRESO:  # the filter ran at every step, from the restored statistics after step 2
-    assert all(line["prompts/drawn"] >= 8 for line in rl_lines(tmp_path / "part"))
+    lines = rl_lines(tmp_path / "part")
+    assert all(line["prompts/drawn"] >= 8 for line in lines)
+    assert lines[0]["prompts/skipped"] == 0 and any(x["prompts/skipped"] > 0 for x in lines[2:])
   if rl in (STALE, SPLIT):  # batches 2 (and 3) were sampled before the checkpoint, by 0 and 1
     k = rl["placement"]["max_staleness"]
     assert [line["async/staleness_max"] for line in rl_lines(tmp_path / "part")] == [
