@@ -38,7 +38,7 @@ def _rollouts_per_step(run: dict) -> int:
   return int(cfg.rl.prompts_per_step) * int(cfg.rl.group_size)
 
 
-def _runs(out: Path, isa: str) -> dict[int, dict]:
+def runs_of(out: Path, isa: str) -> dict[int, dict]:
   """seed -> the run's final accuracy, mean clipped / masked fractions over its RL steps, and its
   per-step curves (cumulative rollouts and generated tokens, eval accuracy, clipped fraction)."""
   got = {}
@@ -68,7 +68,7 @@ def _runs(out: Path, isa: str) -> dict[int, dict]:
   return got
 
 
-def _paired(a: list[float], b: list[float]) -> tuple[float, float, float]:
+def paired(a: list[float], b: list[float]) -> tuple[float, float, float]:
   """Mean of b - a and its 95% t interval."""
   d = [y - x for x, y in zip(a, b, strict=True)]
   m = statistics.fmean(d)
@@ -78,7 +78,7 @@ def _paired(a: list[float], b: list[float]) -> tuple[float, float, float]:
   return m, m - half, m + half
 
 
-def _span(xs: list[float], digits: int) -> str:
+def span(xs: list[float], digits: int) -> str:
   return f"{statistics.fmean(xs):.{digits}f} ({min(xs):.{digits}f}–{max(xs):.{digits}f})"
 
 
@@ -143,11 +143,11 @@ def main(argv=None) -> int:
   ap.add_argument("--png", default=None)
   ap.add_argument("--json", default=None, help="write the per-seed numbers here")
   args = ap.parse_args(argv)
-  base = _runs(Path(args.baseline), args.isa)
+  base = runs_of(Path(args.baseline), args.isa)
   cells = {args.baseline_name: base}
   for item in args.sweep:
     name, out = item.split("=", 1)
-    cells[name] = _runs(Path(out), args.isa)
+    cells[name] = runs_of(Path(out), args.isa)
   print(
     "| cell | seeds | accuracy after RL, mean (min–max) | − baseline, paired mean [95% CI] | "
     "PPO-clipped tokens | masked tokens | IS-truncated or SAT-contracted tokens |"
@@ -159,12 +159,12 @@ def main(argv=None) -> int:
       del cells[name]
       continue
     acc = [runs[s]["acc"] for s in seeds]
-    m, lo, hi = _paired([base[s]["acc"] for s in seeds], acc)
+    m, lo, hi = paired([base[s]["acc"] for s in seeds], acc)
     print(
-      f"| {name} | {','.join(map(str, seeds))} | {_span(acc, 3)} | {m:+.3f} [{lo:+.3f}, {hi:+.3f}] "
-      f"| {_span([runs[s]['clip'] for s in seeds], 4)} "
-      f"| {_span([runs[s]['masked'] for s in seeds], 4)} "
-      f"| {_span([runs[s]['corrected'] for s in seeds], 4)} |"
+      f"| {name} | {','.join(map(str, seeds))} | {span(acc, 3)} | {m:+.3f} [{lo:+.3f}, {hi:+.3f}] "
+      f"| {span([runs[s]['clip'] for s in seeds], 4)} "
+      f"| {span([runs[s]['masked'] for s in seeds], 4)} "
+      f"| {span([runs[s]['corrected'] for s in seeds], 4)} |"
     )
   if args.json:
     keep = ("acc", "clip", "masked", "corrected", "evals")
