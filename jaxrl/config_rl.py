@@ -185,9 +185,11 @@ class RolloutConfig:
   )
   quantize: str = _field(
     "none",
-    choices=("none", "int8"),
-    help="int8: sample from a W8A8 copy of the policy made at every step (jaxrl.quant); the "
-    "sampler-learner gap shows in rl/logprob_gap, rl.offpolicy.is_correction corrects it",
+    choices=("none", "int8", "fp8", "fp8_e5m2", "fp8_block"),
+    help="sample from a W8A8 copy of the policy made at every step (jaxrl.quant): int8 or "
+    "fp8 (float8_e4m3fn) per output channel, fp8_e5m2, or fp8_block (e4m3 in 128 x 128 weight "
+    "blocks); the sampler-learner gap shows in rl/logprob_gap, rl.offpolicy.is_correction "
+    "corrects it",
   )
 
 

@@ -228,7 +228,9 @@ def test_quantizer_passes_unquantized_leaves_through_without_copying():
 
 def test_quantize_params_rejects_unknown_mode():
   _, params, _ = _model()
-  with pytest.raises(ValueError, match="allowed modes: \\('int8',\\)"):
+  with pytest.raises(
+    ValueError, match=r"allowed modes: \('int8', 'fp8', 'fp8_e5m2', 'fp8_block'\)"
+  ):
     quantize_params(params, mode="fp4")
 
 

@@ -12,7 +12,7 @@ from flax import nnx
 import configs.grpo_arith as grpo_arith
 from jaxrl.config import RewardConfig, validate
 from jaxrl.data.arithmetic import careless
-from jaxrl.quant import QArray, quantize_int8
+from jaxrl.quant import BlockQArray, QArray, quantize_weight
 from jaxrl.rl.loop import Trainer
 from jaxrl.rollout.sampling import SamplingParams
 
@@ -457,11 +457,13 @@ def test_run_with_offpolicy_corrections_and_dapo_options(tmp_path):
   assert max(r["offpolicy/ratio_max"] for r in rl) < 1.5
 
 
-def test_int8_rollouts_sample_from_the_quantized_policy_and_report_the_gap(tmp_path):
-  """rollout.quantize='int8': the engine reads a W8A8 copy of the learner's params made at each
-  step (every projection equals quantize_int8 of the learner's weight), the sampler-learner gap
-  shows in rl/logprob_gap, and TIS corrects against a recomputed pi_prox."""
-  rollout = {"quantize": "int8"}
+@pytest.mark.parametrize("mode", ["int8", "fp8_block"])
+def test_quantized_rollouts_sample_from_the_quantized_policy_and_report_the_gap(tmp_path, mode):
+  """rollout.quantize (int8; fp8 in weight blocks): the engine reads a W8A8 copy of the learner's
+  params made at each step on the learner's mesh (every projection equals quantize_weight of the
+  learner's weight), the sampler-learner gap shows in rl/logprob_gap, and TIS corrects against
+  a recomputed pi_prox."""
+  rollout = {"quantize": mode}
   cfg = _config(tmp_path, steps=2, offpolicy={"is_correction": "tis"}, rollout=rollout)
   trainer = Trainer(cfg, log=lambda *_: None)
   engine = trainer.sampler.engine
@@ -476,12 +478,13 @@ def test_int8_rollouts_sample_from_the_quantized_policy_and_report_the_gap(tmp_p
         q = quantized[path].get_value()
         if path[-2:] in (("attn", "q"), ("attn", "o"), ("mlp", "down")):
           in_ndim = 2 if path[-1] == "o" else 1
-          ref = quantize_int8(v.get_value(), in_ndim)
-          np.testing.assert_array_equal(np.asarray(q.values), np.asarray(ref.values))
-          np.testing.assert_array_equal(np.asarray(q.scale), np.asarray(ref.scale))
+          ref = quantize_weight(v.get_value(), in_ndim, mode)
+          assert type(q) is type(ref) and q.values.dtype == ref.values.dtype
+          for a, b in zip(jax.tree.leaves(q), jax.tree.leaves(ref), strict=True):
+            np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
           n += 1
         elif path[-1] == "embed":
-          assert q is not None and not isinstance(q, QArray)
+          assert q is not None and not isinstance(q, QArray | BlockQArray)
       assert n == 3 * trainer.ctx.model_cfg.num_layers
       checked.append(True)
     return generate(params, *args)
@@ -490,12 +493,12 @@ def test_int8_rollouts_sample_from_the_quantized_policy_and_report_the_gap(tmp_p
   trainer.run()
   trainer.close()
   assert checked
-  # One decode program for the int8 rollouts, one for evaluating the float policy; no more.
+  # One decode program for the quantized rollouts, one for evaluating the float policy.
   assert engine.generate_compiles == 2
   lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
   rl = [r for r in lines if r["phase"] == "rl"]
   assert len(rl) == 2
-  # Measured, never hidden: int8 rollouts are scored under the float learner.
+  # Measured, never hidden: quantized rollouts are scored under the float learner.
   assert all(1e-4 < r["rl/logprob_gap"] < 1.0 for r in rl)
   assert all(np.isfinite(r["offpolicy/ratio_max"]) for r in rl)
 
