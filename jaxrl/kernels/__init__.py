@@ -2,5 +2,6 @@
 
 from jaxrl.kernels.attention import dot_attention
 from jaxrl.kernels.paged_attention import PagedKV, paged_attention, write_kv
+from jaxrl.kernels.quant_matmul import quant_matmul
 
-__all__ = ["PagedKV", "dot_attention", "paged_attention", "write_kv"]
+__all__ = ["PagedKV", "dot_attention", "paged_attention", "quant_matmul", "write_kv"]

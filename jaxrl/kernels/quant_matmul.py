@@ -1,0 +1,212 @@
+"""Quantized matmul: y [M, N] = (x [M, K] @ w [K, N]) * x_scale [M, 1] * w_scale [1, N], with
+8-bit weights and either 8-bit activations (W8A8: int8 x int8 -> int32, fp8 x fp8 -> float32)
+or float activations (W8A16: the weight upcast to the activation dtype inside the kernel, never
+materialised as a float copy in memory).
+
+Three implementations of the one contract, chosen by `impl`:
+  reference   pure jnp (`jax.lax.dot` with the accumulator type, then the rescale): the
+              definition the kernels are tested against, and what every backend without a
+              kernel (CPUs) runs
+  pallas_tpu  Mosaic TPU (`pltpu`): a (M / bm, N / bn, K / bk) grid whose K axis is
+              "arbitrary", the partial products accumulated in a VMEM scratch block and rescaled
+              once at the last K step
+  pallas_gpu  Triton: a (M / bm, N / bn) grid, each program looping over K in bk slices with
+              the accumulator in registers
+`auto` picks pallas_tpu on a TPU, pallas_gpu on a GPU and the reference elsewhere; `interpret`
+runs a Pallas variant through the Pallas interpreter on any backend (tests on CPU; about 0.1 ms a
+grid step, so keep grids small). Operands are zero-padded to whole blocks and the result cropped.
+
+`quant_matmul` has a custom VJP (Pallas calls have no automatic one) so a training path
+(learner-side fake-quant) can differentiate it: for W8A16 the gradient of the float x is that of
+x @ dequantize(w); 8-bit codes, the weight and the scales are constants (a quantized copy of the
+learner's weights), so a W8A8 caller differentiates its float activation straight through its
+own quantization.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
+
+IMPLS = ("auto", "reference", "pallas_tpu", "pallas_gpu")
+_INT8 = jnp.dtype(jnp.int8)
+
+
+def _acc_dtype(x_dtype, w_dtype):
+  """int32 for int8 x int8; float32 otherwise (fp8 x fp8, float x 8-bit)."""
+  return jnp.int32 if jnp.dtype(x_dtype) == _INT8 and jnp.dtype(w_dtype) == _INT8 else jnp.float32
+
+
+def reference(x: jax.Array, w: jax.Array, w_scale: jax.Array, x_scale: jax.Array) -> jax.Array:
+  """float32 [M, N]: (x @ w) * x_scale * w_scale, accumulated in int32 (int8 x int8) or float32.
+  x [M, K] is int8 / fp8 (W8A8) or float (W8A16, x_scale ones); w [K, N] int8 / fp8; x_scale
+  [M, 1]; w_scale [1, N]."""
+  y = _block_dot(x, w, _acc_dtype(x.dtype, w.dtype))
+  return y.astype(jnp.float32) * x_scale.astype(jnp.float32) * w_scale.astype(jnp.float32)
+
+
+def _block_dot(x, w, acc):
+  """x @ w accumulated as `acc`; a float x (W8A16) takes the 8-bit w converted to its dtype."""
+  if jnp.issubdtype(x.dtype, jnp.floating) and jnp.dtype(x.dtype).itemsize > 1:
+    w = w.astype(x.dtype)
+  return jax.lax.dot(x, w, preferred_element_type=acc)
+
+
+def _tpu_kernel(x_ref, w_ref, xs_ref, ws_ref, o_ref, acc_ref):
+  k = pl.program_id(2)
+
+  @pl.when(k == 0)
+  def _():
+    acc_ref[...] = jnp.zeros_like(acc_ref)
+
+  acc_ref[...] += _block_dot(x_ref[...], w_ref[...], acc_ref.dtype)
+
+  @pl.when(k == pl.num_programs(2) - 1)
+  def _():
+    o_ref[...] = acc_ref[...].astype(jnp.float32) * xs_ref[...] * ws_ref[...]
+
+
+def _gpu_kernel(x_ref, w_ref, xs_ref, ws_ref, o_ref, *, bk: int, acc):
+  steps = x_ref.shape[1] // bk
+
+  def body(i, total):
+    xb = x_ref[:, pl.ds(i * bk, bk)]
+    wb = w_ref[pl.ds(i * bk, bk), :]
+    return total + _block_dot(xb, wb, acc)
+
+  total = jax.lax.fori_loop(0, steps, body, jnp.zeros(o_ref.shape, acc))
+  o_ref[...] = total.astype(jnp.float32) * xs_ref[...] * ws_ref[...]
+
+
+def _pad(a, rows: int, cols: int):
+  r, c = -a.shape[0] % rows, -a.shape[1] % cols
+  return a if not (r or c) else jnp.pad(a, ((0, r), (0, c)))
+
+
+def _pallas(x, w, w_scale, x_scale, *, impl, block, interpret):
+  m, k = x.shape
+  n = w.shape[1]
+  bm, bn, bk = (min(b, d) for b, d in zip(block, (m, n, k), strict=True))
+  x, w = _pad(x, bm, bk), _pad(w, bk, bn)
+  x_scale, w_scale = (
+    _pad(x_scale.astype(jnp.float32), bm, 1),
+    _pad(w_scale.astype(jnp.float32), 1, bn),
+  )
+  mp, kp = x.shape
+  np_ = w.shape[1]
+  acc = _acc_dtype(x.dtype, w.dtype)
+  out_shape = jax.ShapeDtypeStruct((mp, np_), jnp.float32)
+  if impl == "pallas_tpu":
+    from jax.experimental.pallas import tpu as pltpu
+
+    grid_spec = pltpu.PrefetchScalarGridSpec(
+      num_scalar_prefetch=0,
+      grid=(mp // bm, np_ // bn, kp // bk),
+      in_specs=[
+        pl.BlockSpec((bm, bk), lambda i, j, q: (i, q)),
+        pl.BlockSpec((bk, bn), lambda i, j, q: (q, j)),
+        pl.BlockSpec((bm, 1), lambda i, j, q: (i, 0)),
+        pl.BlockSpec((1, bn), lambda i, j, q: (0, j)),
+      ],
+      out_specs=pl.BlockSpec((bm, bn), lambda i, j, q: (i, j)),
+      scratch_shapes=[pltpu.VMEM((bm, bn), acc)],
+    )
+    y = pl.pallas_call(
+      _tpu_kernel,
+      grid_spec=grid_spec,
+      out_shape=out_shape,
+      compiler_params=pltpu.CompilerParams(
+        dimension_semantics=("parallel", "parallel", "arbitrary")
+      ),
+      interpret=interpret,
+    )(x, w, x_scale, w_scale)
+  else:
+    y = pl.pallas_call(
+      functools.partial(_gpu_kernel, bk=bk, acc=acc),
+      grid=(mp // bm, np_ // bn),
+      in_specs=[
+        pl.BlockSpec((bm, kp), lambda i, j: (i, 0)),
+        pl.BlockSpec((kp, bn), lambda i, j: (0, j)),
+        pl.BlockSpec((bm, 1), lambda i, j: (i, 0)),
+        pl.BlockSpec((1, bn), lambda i, j: (0, j)),
+      ],
+      out_specs=pl.BlockSpec((bm, bn), lambda i, j: (i, j)),
+      out_shape=out_shape,
+      interpret=interpret,
+    )(x, w, x_scale, w_scale)
+  return y[:m, :n]
+
+
+def resolve_impl(impl: str) -> str:
+  """`auto` -> the backend's kernel (pallas_tpu / pallas_gpu) or the reference (CPU)."""
+  if impl not in IMPLS:
+    raise ValueError(f"quant_matmul impl must be one of {IMPLS}, got {impl!r}")
+  if impl != "auto":
+    return impl
+  backend = jax.default_backend()
+  return {"tpu": "pallas_tpu", "gpu": "pallas_gpu"}.get(backend, "reference")
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _quant_matmul(x, w, w_scale, x_scale, impl, block, interpret):
+  if impl == "reference":
+    return reference(x, w, w_scale, x_scale)
+  return _pallas(x, w, w_scale, x_scale, impl=impl, block=block, interpret=interpret)
+
+
+def _fwd(x, w, w_scale, x_scale, impl, block, interpret):
+  return _quant_matmul(x, w, w_scale, x_scale, impl, block, interpret), (x, w, w_scale, x_scale)
+
+
+def _no_grad(a):
+  """The zero cotangent of a constant operand: float0 for integer arrays, zeros otherwise."""
+  if jnp.issubdtype(a.dtype, jnp.integer):
+    return np.zeros(a.shape, jax.dtypes.float0)
+  return jnp.zeros_like(a)
+
+
+def _bwd(impl, block, interpret, res, dy):
+  x, w, w_scale, x_scale = res
+  if jnp.dtype(x.dtype).itemsize > 1:  # W8A16: d/dx of (x @ w) * w_scale
+    dx = ((dy * w_scale) @ w.astype(jnp.float32).T).astype(x.dtype)
+  else:  # 8-bit codes are constants; a straight-through caller differentiates its float x
+    dx = _no_grad(x)
+  return dx, _no_grad(w), _no_grad(w_scale), _no_grad(x_scale)
+
+
+_quant_matmul.defvjp(_fwd, _bwd)
+
+
+def quant_matmul(
+  x: jax.Array,
+  w: jax.Array,
+  w_scale: jax.Array,
+  x_scale: jax.Array | None = None,
+  *,
+  impl: str = "auto",
+  block: tuple[int, int, int] = (128, 128, 128),
+  interpret: bool = False,
+) -> jax.Array:
+  """float32 [M, N] = (x @ w) * x_scale * w_scale (see the module docstring).
+
+  x [M, K]: int8 / fp8 codes with x_scale [M] or [M, 1] (W8A8), or float with x_scale None
+  (W8A16). w [K, N] int8 / fp8, w_scale [N] or [1, N]. block = (bm, bn, bk), clipped to the
+  operands' sizes.
+  """
+  if x.ndim != 2 or w.ndim != 2 or x.shape[1] != w.shape[0]:
+    raise ValueError(f"quant_matmul needs x [M, K] and w [K, N], got {x.shape} and {w.shape}")
+  if jnp.dtype(w.dtype).itemsize != 1:
+    raise ValueError(f"quant_matmul needs an 8-bit weight (int8 / fp8), got {w.dtype}")
+  eight_bit_x = jnp.dtype(x.dtype).itemsize == 1
+  if eight_bit_x != (x_scale is not None):
+    raise ValueError("quant_matmul: 8-bit x needs its x_scale (W8A8); float x takes none (W8A16)")
+  if eight_bit_x and (jnp.dtype(x.dtype) == _INT8) != (jnp.dtype(w.dtype) == _INT8):
+    raise ValueError(f"W8A8 needs x and w both int8 or both fp8, got {x.dtype} and {w.dtype}")
+  m, n = x.shape[0], w.shape[1]
+  x_scale = jnp.ones((m, 1), jnp.float32) if x_scale is None else x_scale.reshape(m, 1)
+  w_scale = w_scale.reshape(1, n)
+  return _quant_matmul(x, w, w_scale, x_scale, resolve_impl(impl), tuple(block), interpret)

@@ -1,0 +1,113 @@
+"""The quantized matmul (jaxrl.kernels.quant_matmul): its jnp reference against numpy, both Pallas
+variants (Mosaic TPU, Triton) through the Pallas interpreter against the reference, for W8A8 int8
+and fp8 and W8A16, on shapes that do not divide the blocks; its custom VJP; its errors."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxrl.kernels.quant_matmul import quant_matmul, reference, resolve_impl
+from jaxrl.quant import quantize, quantize_activations, quantized_einsum
+
+M, K, N = 10, 40, 24  # blocks (8, 16, 16): short edge blocks on every axis
+BLOCK = (8, 16, 16)
+CASES = {
+  "w8a8_int8": (jnp.int8, jnp.int8),
+  "w8a8_e4m3": (jnp.float8_e4m3fn, jnp.float8_e4m3fn),
+  "w8a8_e5m2": (jnp.float8_e5m2, jnp.float8_e5m2),
+  "w8a16_f32_int8": (jnp.float32, jnp.int8),
+  "w8a16_bf16_e4m3": (jnp.bfloat16, jnp.float8_e4m3fn),
+}
+
+
+def _operands(case, seed=0):
+  x_dtype, w_dtype = CASES[case]
+  rng = np.random.default_rng(seed)
+  x = jnp.asarray(rng.normal(size=(M, K)).astype(np.float32))
+  q = quantize(jnp.asarray(rng.normal(size=(K, N)).astype(np.float32)), 1, w_dtype)
+  if jnp.dtype(x_dtype).itemsize == 1:
+    xq, xs = quantize_activations(x, (1,), x_dtype)
+    return xq, q.values, q.scale, xs
+  return x.astype(x_dtype), q.values, q.scale, None
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_reference_is_the_exact_product_then_the_rescale(case):
+  x, w, ws, xs = _operands(case)
+  got = np.asarray(quant_matmul(x, w, ws, xs, impl="reference"))
+  xf = np.asarray(x.astype(jnp.float32), np.float64)
+  wf = np.asarray(w.astype(jnp.float32), np.float64)
+  scale = (np.ones((M, 1)) if xs is None else np.asarray(xs)[:, None]) * np.asarray(ws)[None]
+  # 8-bit x 8-bit products and their int32 / float32 sums are exact here (fp8 codes have at
+  # most 4 significant bits, K = 40 terms); W8A16 rounds its float32 sums. Then one float32
+  # rescale.
+  want = (xf @ wf) * scale
+  np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("impl", ["pallas_tpu", "pallas_gpu"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_pallas_kernels_match_the_reference_in_interpret_mode(case, impl):
+  x, w, ws, xs = _operands(case, seed=1)
+  want = np.asarray(
+    reference(x, w, ws.reshape(1, N), (jnp.ones((M, 1)) if xs is None else xs.reshape(M, 1)))
+  )
+  got = np.asarray(quant_matmul(x, w, ws, xs, impl=impl, block=BLOCK, interpret=True))
+  assert got.shape == (M, N) and got.dtype == np.float32
+  if x.dtype == jnp.int8:  # integer accumulation in blocks: the same integers
+    np.testing.assert_array_equal(got, want)
+  else:  # float32 partial sums in another order
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
+def test_the_einsum_path_and_the_kernel_agree():
+  # quant.quantized_einsum (the model's projection) is this kernel's contract on [B*T, D].
+  rng = np.random.default_rng(3)
+  x = jnp.asarray(rng.normal(size=(2, 5, K)).astype(np.float32))
+  q = quantize(jnp.asarray(rng.normal(size=(K, N)).astype(np.float32)), 1, jnp.float8_e4m3fn)
+  via_einsum = np.asarray(quantized_einsum("BTD,DF->BTF", x, q)).reshape(10, N)
+  xq, xs = quantize_activations(x.reshape(10, K), (1,), jnp.float8_e4m3fn)
+  kernel = quant_matmul(xq, q.values, q.scale, xs, impl="pallas_gpu", block=BLOCK, interpret=True)
+  np.testing.assert_allclose(np.asarray(kernel), via_einsum, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("impl", ["reference", "pallas_tpu"])
+def test_w8a16_gradient_is_that_of_the_dequantized_weight(impl):
+  x, w, ws, _ = _operands("w8a16_f32_int8", seed=2)
+  dy = jnp.asarray(np.random.default_rng(4).normal(size=(M, N)).astype(np.float32))
+
+  def f(x):
+    return jnp.sum(quant_matmul(x, w, ws, impl=impl, block=BLOCK, interpret=True) * dy)
+
+  def g(x):
+    return jnp.sum((x @ (w.astype(jnp.float32) * ws[None])) * dy)
+
+  np.testing.assert_allclose(
+    np.asarray(jax.grad(f)(x)), np.asarray(jax.grad(g)(x)), rtol=1e-5, atol=1e-5
+  )
+  # 8-bit codes are constants: their cotangent is float0 (int8) or zero (fp8).
+  xq, wq, wsq, xsq = _operands("w8a8_e4m3")
+  dx = jax.grad(
+    lambda x: jnp.sum(
+      quant_matmul(
+        x.astype(jnp.float8_e4m3fn), wq, wsq, xsq, impl=impl, block=BLOCK, interpret=True
+      )
+    )
+  )(xq.astype(jnp.float32))
+  assert np.all(np.asarray(dx) == 0)
+
+
+def test_auto_is_the_reference_on_cpu_and_bad_inputs_are_named():
+  assert resolve_impl("auto") == "reference" and jax.default_backend() == "cpu"
+  x, w, ws, xs = _operands("w8a8_int8")
+  with pytest.raises(ValueError, match="impl must be one of"):
+    quant_matmul(x, w, ws, xs, impl="cuda")
+  with pytest.raises(ValueError, match=r"x \[M, K\] and w \[K, N\]"):
+    quant_matmul(x[:, :5], w, ws, xs)
+  with pytest.raises(ValueError, match="8-bit x needs its x_scale"):
+    quant_matmul(x, w, ws)
+  with pytest.raises(ValueError, match="both int8 or both fp8"):
+    quant_matmul(x.astype(jnp.float8_e4m3fn), w, ws, xs)
+  with pytest.raises(ValueError, match="8-bit weight"):
+    quant_matmul(x.astype(jnp.float32), w.astype(jnp.float32), ws)
