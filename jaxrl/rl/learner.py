@@ -194,20 +194,24 @@ class Learner:
   def _with_prox(self, step: int, params, batch: TrainBatch) -> tuple[TrainBatch, dict]:
     """Fill what the off-policy corrections read, and measure the IS ratio's max and p99.
 
-    With any correction configured, one learner forward before any minibatch moves the policy
-    gives pi_prox: stored as prox_logprobs for decoupled with prox='recompute' and for every IS
-    correction (whose weight then measures only the sampler-learner gap), and used for the
-    full-batch ratio_stats. Decoupled with prox='interpolate' gets the learner's version, for
-    the lag. Without corrections nothing is added: no extra forward.
+    With any correction configured, or quantized rollouts (whose mismatch is monitored every
+    step), one learner forward before any minibatch moves the policy gives pi_prox: stored as
+    prox_logprobs for decoupled with prox='recompute' and for every IS correction (whose weight
+    then measures only the sampler-learner gap), and used for the full-batch ratio_stats.
+    Decoupled with prox='interpolate' gets the learner's version, for the lag. Otherwise nothing
+    is added: no extra forward.
     """
     rl = self.run.cfg.rl
     decoupled = rl.offpolicy.method == "decoupled"
-    if rl.offpolicy.method == "none" and rl.offpolicy.is_correction == "none":
+    corrected = rl.offpolicy.method != "none" or rl.offpolicy.is_correction != "none"
+    if not corrected and rl.rollout.quantize == "none":
       return batch, {}
     prox = self._logprobs(params, batch.tokens, batch.valid, batch.loss_mask)
     stats = self._ratio_stats(prox, batch.old_logprobs, batch.loss_mask)
     if (decoupled and rl.offpolicy.prox == "recompute") or rl.offpolicy.is_correction != "none":
       return batch._replace(prox_logprobs=prox), stats
+    if not corrected:
+      return batch, stats
     if decoupled:
       version = batch_lib.put_like(np.full((batch.size,), step, np.int32), batch.tokens)
       batch = batch._replace(learner_version=version)

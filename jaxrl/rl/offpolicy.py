@@ -322,12 +322,21 @@ def diagnostics(logp, behav, mask, corr: Correction) -> dict:
 
 
 def ratio_stats(logp, behav, mask) -> dict:
-  """Max and 99th percentile of the IS ratio r = pi_theta / pi_behav over the loss tokens of a
-  whole batch (the loop takes them at the start of each update, before any minibatch moves the
-  policy). Returns {name: float32 scalar}."""
+  """Whole-batch statistics of the sampler-learner mismatch over the loss tokens, taken at the
+  start of each update, before any minibatch moves the policy: the IS ratio r = pi_theta /
+  pi_behav's max and 99th percentile, and |log pi_theta - log pi_behav|'s mean and 99th
+  percentile with the token KL(pi_behav || pi_theta) (k3): with k = 0 these measure what the
+  sampler computes differently (quantized weights, another kernel), with a lag the drift too.
+  Returns {name: float32 scalar}."""
   m = jnp.asarray(mask, bool)
-  r = jnp.exp(_where(m, logp - behav))
+  log_r = _where(m, logp - behav)
+  r = jnp.exp(log_r)
+  n = jnp.maximum(jnp.sum(m), 1)
+  gap = jnp.abs(log_r)
   return {
     "offpolicy/ratio_max": jnp.max(jnp.where(m, r, 0.0)),
     "offpolicy/ratio_p99": masked_quantile(r, m, 0.99),
+    "mismatch/abs_logp_mean": jnp.sum(jnp.where(m, gap, 0.0)) / n,
+    "mismatch/abs_logp_p99": masked_quantile(gap, m, 0.99),
+    "mismatch/kl_k3": jnp.sum(jnp.where(m, jnp.expm1(log_r) - log_r, 0.0)) / n,
   }

@@ -280,6 +280,12 @@ def test_diagnostics_match_numpy():
   stats = offpolicy.ratio_stats(jl, jb, mask)
   np.testing.assert_allclose(stats["offpolicy/ratio_max"], r.max(), rtol=1e-5)
   np.testing.assert_allclose(stats["offpolicy/ratio_p99"], np.percentile(r, 99), rtol=1e-5)
+  # The mismatch monitor: |log r| mean and p99, token KL (k3), over the loss tokens only.
+  np.testing.assert_allclose(stats["mismatch/abs_logp_mean"], np.abs(lr).mean(), rtol=1e-5)
+  np.testing.assert_allclose(
+    stats["mismatch/abs_logp_p99"], np.percentile(np.abs(lr), 99), rtol=1e-5
+  )
+  np.testing.assert_allclose(stats["mismatch/kl_k3"], np.mean(np.expm1(lr) - lr), rtol=1e-5)
 
 
 def test_masked_quantile_matches_numpy():
