@@ -149,6 +149,10 @@ class SFTConfig:
   b2: float = _field(0.999, lo=0.0, hi=1.0, lo_open=True, help="Adam's second-moment decay")
   grad_clip: float = _field(1.0, lo=0.0, help="global-norm clip before Adam; 0 = off")
   num_microbatches: int = _field(1, lo=1, help="gradient accumulation within one step")
+  load_balance_coef: float = _field(
+    0.0, lo=0.0, help="MoE models: Switch-Transformer load-balancing loss weight (0 = off)"
+  )
+  router_z_coef: float = _field(0.0, lo=0.0, help="MoE models: ST-MoE router z-loss weight")
   operand_dist: str = _field(
     "by_digits",
     choices=("uniform", "by_digits"),

@@ -236,6 +236,10 @@ class PolicyLossConfig:
   eps_high: float = _field(0.2, lo=0.0, lo_open=True, help="> eps_low: DAPO's clip-higher")
   dual_clip_c: float = _field(3.0, lo=1.0, lo_open=True, help="name='dual_clip' only")
   entropy_coef: float = _field(0.0, lo=0.0, help="entropy bonus on completion tokens")
+  load_balance_coef: float = _field(
+    0.0, lo=0.0, help="MoE models: Switch-Transformer load-balancing loss weight (0 = off)"
+  )
+  router_z_coef: float = _field(0.0, lo=0.0, help="MoE models: ST-MoE router z-loss weight")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -236,6 +236,11 @@ class ModelConfig:
     )
 
   @classmethod
+  def tiny_moe(cls, vocab_size: int = 259) -> ModelConfig:
+    """`tiny` with a Qwen3-MoE-style sparse MLP (5 experts, top 2): MoE pipelines on a CPU."""
+    return cls.tiny(vocab_size).replace(num_experts=5, experts_per_token=2, moe_mlp_dim=22)
+
+  @classmethod
   def arith_small(cls, vocab_size: int = 259) -> ModelConfig:
     """The embedded default: a ~1M-parameter Qwen3-shaped model for byte-level arithmetic."""
     return cls(
@@ -474,6 +479,7 @@ def sliding_layer_types(num_layers: int, period: int) -> tuple[str, ...]:
 
 PRESETS = {
   "tiny": ModelConfig.tiny,
+  "tiny_moe": ModelConfig.tiny_moe,
   "arith_small": ModelConfig.arith_small,
   "qwen3_0p6b": ModelConfig.qwen3_0p6b,
   "llama3p2_1b": ModelConfig.llama3p2_1b,

@@ -1,4 +1,5 @@
-"""Mixture-of-experts MLP: top-k softmax router, ragged_dot token dispatch, load-balancing loss."""
+"""Mixture-of-experts MLP: top-k softmax router, ragged_dot token dispatch, load-balancing and
+router z-losses."""
 
 from __future__ import annotations
 
@@ -94,6 +95,18 @@ def load_balancing_loss(
   frac = jnp.sum((counts * w[..., None]).reshape(-1, e), axis=0) / total  # [E]
   prob = jnp.sum((probs * w[..., None]).reshape(-1, e), axis=0) / total  # [E]
   return e * jnp.sum(frac * prob)
+
+
+def router_z_loss(router_logits: jax.Array, valid: jax.Array | None = None) -> jax.Array:
+  """ST-MoE's router z-loss (Zoph et al. 2022, "ST-MoE: Designing Stable and Transferable
+  Sparse Expert Models", arXiv 2202.08906, eq. 5): the mean over (unpadded) tokens and layers of
+  logsumexp(router logits)^2, which keeps the router's logits small. router_logits [..., E];
+  valid broadcastable to its leading dims. Float32."""
+  z = jax.nn.logsumexp(router_logits.astype(jnp.float32), axis=-1)
+  if valid is None:
+    return jnp.mean(z * z)
+  w = jnp.broadcast_to(valid, z.shape).astype(jnp.float32)
+  return jnp.sum(z * z * w) / jnp.maximum(jnp.sum(w), 1.0)
 
 
 class MoEMLP(nnx.Module):

@@ -261,6 +261,21 @@ def token_logprobs(
   the entropy [B, T] of the predictive distribution for each target. All in float32.
   """
   logits, _ = apply(graphdef, params, tokens, positions_from_mask(valid), valid)
+  return _logprobs(logits, tokens, temperature, with_entropy)
+
+
+def token_logprobs_and_routing(
+  graphdef, params, tokens, valid, *, temperature: float = 1.0, with_entropy: bool = False
+):
+  """`token_logprobs` plus the routing of every MoE layer (`apply_with_routing`'s dict, None for
+  a dense model) from the same forward: what the MoE auxiliary losses read."""
+  logits, _, routing = apply_with_routing(
+    graphdef, params, tokens, positions_from_mask(valid), valid
+  )
+  return _logprobs(logits, tokens, temperature, with_entropy), routing
+
+
+def _logprobs(logits, tokens, temperature, with_entropy):
   logp_all = jax.nn.log_softmax(logits[:, :-1] / temperature, axis=-1)  # [B, T-1, V]
   logp = jnp.take_along_axis(logp_all, tokens[:, 1:, None], axis=-1)[..., 0]
   logp = jnp.pad(logp, ((0, 0), (1, 0)))

@@ -38,7 +38,8 @@ class LearnerState(NamedTuple):
 def skips_zero_advantage_rows(cfg: Config) -> bool:
   """Whether the policy update leaves out the rows whose advantages are all zero: with
   rl.skip_zero_advantage='auto', where every loss term is then zero (the policy losses are the
-  advantage times a factor): no KL term in the loss, no entropy bonus, no off-policy
+  advantage times a factor): no KL term in the loss, no entropy bonus, no MoE auxiliary loss
+  (the router sees every token), no off-policy
   correction (some read whole-batch statistics), no distillation (the teacher's term is on
   every token)."""
   rl = cfg.rl
@@ -46,6 +47,8 @@ def skips_zero_advantage_rows(cfg: Config) -> bool:
     rl.skip_zero_advantage == "auto"
     and (rl.kl.beta == 0 or rl.kl.in_reward)
     and rl.loss.entropy_coef == 0
+    and rl.loss.load_balance_coef == 0
+    and rl.loss.router_z_coef == 0
     and rl.offpolicy.method == "none"
     and rl.offpolicy.is_correction == "none"
     and not cfg.distill.enabled

@@ -8,7 +8,8 @@ import jax
 import jax.numpy as jnp
 
 from jaxrl.config import KLConfig, OffPolicyConfig, PolicyLossConfig
-from jaxrl.models.transformer import token_logprobs
+from jaxrl.models.moe import load_balancing_loss, router_z_loss
+from jaxrl.models.transformer import token_logprobs, token_logprobs_and_routing
 from jaxrl.rl import offpolicy as offpolicy_lib
 from jaxrl.rl.kl import kl_estimate
 from jaxrl.rl.losses import POLICY_LOSSES, aggregate
@@ -46,15 +47,26 @@ class PolicyLoss:
     return self._aggregate(jnp.zeros_like(batch.loss_mask), batch.loss_mask)[1]
 
   def __call__(self, params, batch):
-    logp, entropy = token_logprobs(
-      self.graphdef,
-      params,
-      batch.tokens,
-      batch.valid,
-      temperature=self.temperature,
+    lb, z = self.loss.load_balance_coef, self.loss.router_z_coef
+    if not (lb or z):
+      logp, entropy = token_logprobs(
+        self.graphdef,
+        params,
+        batch.tokens,
+        batch.valid,
+        temperature=self.temperature,
+        with_entropy=True,
+      )
+      return self.from_logprobs(logp, entropy, batch)
+    (logp, entropy), routing = token_logprobs_and_routing(
+      self.graphdef, params, batch.tokens, batch.valid, temperature=self.temperature,
       with_entropy=True,
-    )
-    return self.from_logprobs(logp, entropy, batch)
+    )  # fmt: skip
+    total, metrics = self.from_logprobs(logp, entropy, batch)
+    aux, aux_metrics = moe_aux_loss(routing, batch.valid, lb, z)
+    # The step divides the summed totals by the whole batch's denominator: weighting each
+    # micro-batch's aux loss by its own share keeps it a mean, however the batch is split.
+    return total + aux * self.denominator(batch), {**metrics, **aux_metrics}
 
   def from_logprobs(self, logp, entropy, batch, *, detached_logp=None) -> tuple[jax.Array, dict]:
     """The loss from the learner's log-probs and entropies [B, T]. detached_logp (default
@@ -117,13 +129,39 @@ class SFTLoss:
   """Token-mean negative log-likelihood of the completion tokens (the warm-start objective)."""
 
   graphdef: object
+  load_balance_coef: float = 0.0  # config.sft's, MoE models only
+  router_z_coef: float = 0.0
 
   def denominator(self, batch):
     return jnp.sum(batch.loss_mask)
 
   def __call__(self, params, batch):
-    logp = token_logprobs(self.graphdef, params, batch.tokens, batch.valid)
+    lb, z = self.load_balance_coef, self.router_z_coef
+    routing = None
+    if lb or z:
+      logp, routing = token_logprobs_and_routing(self.graphdef, params, batch.tokens, batch.valid)
+    else:
+      logp = token_logprobs(self.graphdef, params, batch.tokens, batch.valid)
     mask = batch.loss_mask
     nll = -jnp.sum(logp * mask)
     n = jnp.sum(mask)
-    return nll, {"sft/loss": (nll, n)}
+    metrics = {"sft/loss": (nll, n)}
+    if routing is None:
+      return nll, metrics
+    aux, aux_metrics = moe_aux_loss(routing, batch.valid, lb, z)
+    return nll + aux * n, {**metrics, **aux_metrics}
+
+
+def moe_aux_loss(routing, valid, load_balance_coef: float, router_z_coef: float):
+  """(load_balance_coef * the load-balancing loss + router_z_coef * the router z-loss, metrics)
+  over the real tokens of one (micro-)batch, from `apply_with_routing`'s routing; metrics are
+  (value, 1) pairs, so the step reports their mean over micro-batches. A dense model has no
+  routing: an error, which config validation reports first."""
+  if routing is None:
+    raise ValueError("MoE auxiliary losses need a model with MoE layers")
+  logits, top_k = routing["router_logits"], routing["experts"].shape[-1]
+  lb = load_balancing_loss(logits, top_k, valid[None])
+  z = router_z_loss(logits, valid[None])
+  one = jnp.ones((), jnp.float32)
+  metrics = {"moe/load_balance": (lb, one), "moe/router_z": (z, one)}
+  return load_balance_coef * lb + router_z_coef * z, metrics

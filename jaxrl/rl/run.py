@@ -70,6 +70,18 @@ class Run:
         f"config.rl.max_prompt_len + config.rl.max_new_tokens = {rl.max_prompt_len} + "
         f"{rl.max_new_tokens} exceeds the model's max_seq_len={model_cfg.max_seq_len}"
       )
+    if not model_cfg.num_experts:
+      for name, coef in (
+        ("rl.loss.load_balance_coef", rl.loss.load_balance_coef),
+        ("rl.loss.router_z_coef", rl.loss.router_z_coef),
+        ("sft.load_balance_coef", cfg.sft.load_balance_coef),
+        ("sft.router_z_coef", cfg.sft.router_z_coef),
+      ):
+        if coef:
+          raise ConfigError(
+            f"config.{name}={coef} is invalid; allowed: 0 for a dense model (this model has no "
+            "MoE layers)"
+          )
     workdir = Path(cfg.workdir)
     task = components.build_task(cfg.task, workdir, seed=cfg.seed)
     pool = None

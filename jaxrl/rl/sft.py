@@ -36,7 +36,11 @@ class SFTPhase:
     self.trainable = "lora" if run.model_cfg.lora_rank else None
     self.step_fn = make_train_step(
       self.optimizer,
-      SFTLoss(run.graphdef),
+      SFTLoss(
+        run.graphdef,
+        load_balance_coef=cfg.load_balance_coef,
+        router_z_coef=cfg.router_z_coef,
+      ),
       num_microbatches=cfg.num_microbatches,
       trainable=self.trainable,
     )
