@@ -191,6 +191,12 @@ class RolloutConfig:
     "blocks); the sampler-learner gap shows in rl/logprob_gap, rl.offpolicy.is_correction "
     "corrects it",
   )
+  learner_fake_quant: bool = _field(
+    False,
+    help="the learner's loss and pi_prox forwards run the projections through the sampler's "
+    "quantize-dequantize path with straight-through gradients (needs quantize), so the "
+    "learner scores tokens with the numerics that drew them",
+  )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -364,6 +370,12 @@ def check_rl(rl: RLConfig) -> None:
     rl.prompt_pool,
     f"0 (an endless stream) or >= rl.prompts_per_step = {rl.prompts_per_step} (a batch "
     "never repeats a prompt)",
+  )
+  check(
+    not rl.rollout.learner_fake_quant or rl.rollout.quantize != "none",
+    "rl.rollout.learner_fake_quant",
+    rl.rollout.learner_fake_quant,
+    "False with rl.rollout.quantize='none' (it copies the sampler's quantization)",
   )
   pf = rl.prompt_filter
   check(

@@ -274,6 +274,64 @@ def _block_einsum(xs: str, contracted: str, x: jax.Array, q: BlockQArray) -> jax
   return y[:, :n].reshape(*lead, *q.shape[n_in:]).astype(x.dtype)
 
 
+@functools.partial(
+  jax.tree_util.register_dataclass, data_fields=("w",), meta_fields=("mode", "in_ndim")
+)
+@dataclasses.dataclass(frozen=True)
+class FakeQuant:
+  """A float weight the learner's forward runs through the sampler's quantized path: the same
+  `quantize_weight` and `quantized_einsum` (weight and activation quant-dequant), with
+  straight-through gradients to the float weight and activation (the rounding is treated as the
+  identity). Learner-side fake quantization, so the learner scores tokens with the numerics that
+  drew them ("QaRL"/"QUADS"-style quantization-aware RL)."""
+
+  w: jax.Array
+  mode: str
+  in_ndim: int
+
+  @property
+  def shape(self) -> tuple[int, ...]:
+    return self.w.shape
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 3, 4))
+def _fake_quant_einsum(eq, x, w, mode, in_ndim):
+  return quantized_einsum(eq, x, quantize_weight(w, in_ndim, mode))
+
+
+def _fq_fwd(eq, x, w, mode, in_ndim):
+  return _fake_quant_einsum(eq, x, w, mode, in_ndim), (x, w)
+
+
+def _fq_bwd(eq, mode, in_ndim, res, dy):
+  x, w = res
+  _, vjp = jax.vjp(lambda x, w: contract(eq, x, w.astype(x.dtype)), x, w)
+  return vjp(dy.astype(x.dtype))
+
+
+_fake_quant_einsum.defvjp(_fq_fwd, _fq_bwd)
+
+
+def fake_quant_einsum(eq: str, x: jax.Array, fq: FakeQuant) -> jax.Array:
+  """`quantized_einsum(eq, x, quantize_weight(fq.w))` forward; the float einsum's gradient."""
+  return _fake_quant_einsum(eq, x, fq.w, fq.mode, fq.in_ndim)
+
+
+def fake_quant_params(params: nnx.State, mode: str) -> nnx.State:
+  """The param State with each weight `quantize_params` would quantize wrapped as a `FakeQuant`
+  of `mode`, inside a differentiated function (the wrapping moves no data)."""
+  if mode not in QUANT_MODES:
+    raise ValueError(f"fake_quant_params: unknown mode {mode!r}; allowed modes: {QUANT_MODES}")
+  flat = nnx.to_flat_state(params)
+  todo = _quantized_leaves(flat)
+  out = {}
+  for path, v in flat:
+    if path in todo:
+      v = v.replace(FakeQuant(v.get_value(), mode, todo[path]))
+    out[path] = v
+  return nnx.from_flat_state(out)
+
+
 def _quantized_leaves(flat) -> dict:
   """{path: in_ndim} of the leaves `quantize_params` quantizes."""
   # MoE layers keep a router beside their gate/up/down expert stacks: those stay float.
@@ -285,7 +343,7 @@ def _quantized_leaves(flat) -> dict:
       in_ndim is not None
       and type(v) is nnx.Param
       and path[:-1] not in moe
-      and not isinstance(v.get_value(), QArray | BlockQArray)
+      and not isinstance(v.get_value(), QArray | BlockQArray | FakeQuant)
     ):
       out[path] = in_ndim
   return out

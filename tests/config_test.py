@@ -57,6 +57,11 @@ def test_defaults_and_the_shipped_config_validate():
     ),
     ({"rl": {"group_size": 0}}, r"config\.rl\.group_size=0 is out of range; must be >= 1"),
     (
+      {"rl": {"rollout": {"learner_fake_quant": True}}},
+      r"config\.rl\.rollout\.learner_fake_quant=True is invalid; allowed: False with "
+      r"rl\.rollout\.quantize='none'",
+    ),
+    (
       {"rl": {"prompts_per_step": 16, "prompt_pool": 8}},
       r"config\.rl\.prompt_pool=8 is invalid; allowed: 0 \(an endless stream\) or >= "
       r"rl\.prompts_per_step = 16",

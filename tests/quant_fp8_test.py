@@ -277,3 +277,37 @@ def test_the_quantized_copy_is_laid_out_like_the_weight_it_replaces(mode):
     n += 1
   assert n == cfg.num_layers * len(PROJECTIONS)
   assert split == n  # the rules shard every projection weight here
+
+
+@pytest.mark.parametrize("mode", ["int8", "fp8", "fp8_block"])
+def test_fake_quant_runs_the_samplers_numerics_with_straight_through_gradients(mode):
+  from jaxrl.kernels.contract import contract
+  from jaxrl.models.transformer import token_logprobs
+  from jaxrl.quant import FakeQuant, fake_quant_einsum, fake_quant_params, quantize_weight
+
+  eq = "BTNH,NHD->BTD"
+  x_shape, w_shape = EINSUMS[eq]
+  rng = np.random.default_rng(5)
+  x = jnp.asarray(rng.normal(size=x_shape).astype(np.float32))
+  w = jnp.asarray(_rng_weights(w_shape, 6))
+  fq = FakeQuant(w, mode, 2)
+  y = fake_quant_einsum(eq, x, fq)
+  np.testing.assert_array_equal(
+    np.asarray(y), np.asarray(quantized_einsum(eq, x, quantize_weight(w, 2, mode)))
+  )
+  dy = jnp.asarray(rng.normal(size=y.shape).astype(np.float32))
+  got = jax.vjp(lambda x, w: fake_quant_einsum(eq, x, FakeQuant(w, mode, 2)), x, w)[1](dy)
+  want = jax.vjp(lambda x, w: contract(eq, x, w), x, w)[1](dy)
+  for a, b in zip(got, want, strict=True):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-6)
+  # A whole model: the learner's fake-quantized log-probs are the quantized sampler's.
+  graphdef, params, qparams = _fp8_model(mode) if mode != "int8" else (None, None, None)
+  if graphdef is None:
+    graphdef, params = numpy_model(CFG, 0)
+    qparams = quantize_params(params, "int8")
+  tokens = jnp.asarray(_tokens())
+  valid = jnp.ones(tokens.shape, bool)
+  fake = jax.jit(lambda p: token_logprobs(graphdef, fake_quant_params(p, mode), tokens, valid))
+  sampler = jax.jit(lambda p: token_logprobs(graphdef, p, tokens, valid))
+  np.testing.assert_allclose(np.asarray(fake(params)), np.asarray(sampler(qparams)), atol=1e-5)
+  assert np.abs(np.asarray(fake(params)) - np.asarray(sampler(params))).max() > 1e-3

@@ -11,7 +11,7 @@ from flax import nnx
 
 from jaxrl.kernels.contract import contract
 from jaxrl.models.config import ModelConfig
-from jaxrl.quant import BlockQArray, QArray, quantized_einsum
+from jaxrl.quant import BlockQArray, FakeQuant, QArray, fake_quant_einsum, quantized_einsum
 
 
 def param(rngs: nnx.Rngs, shape, fan_in: int, axes, dtype, scale: float = 1.0) -> nnx.Param:
@@ -66,12 +66,15 @@ def project(eq: str, x: jax.Array, w: nnx.Param, adapter: LoRA | None = None) ->
   The adapter goes through the rank R bottleneck, (x A) B, so the merged weight W + A B is never
   built on the forward: that would cost a full weight's memory and FLOPs every step.
   A `jaxrl.quant.QArray` or `BlockQArray` weight (quantized rollouts) runs as a W8A8 einsum
-  (int8 or fp8); the adapter stays float.
+  (int8 or fp8), a `FakeQuant` one (the learner's fake quantization) as the same einsum with
+  straight-through gradients; the adapter stays float.
   """
   dt = x.dtype
   value = w.get_value()
   if isinstance(value, QArray | BlockQArray):
     y = quantized_einsum(eq, x, value)
+  elif isinstance(value, FakeQuant):
+    y = fake_quant_einsum(eq, x, value)
   else:
     y = contract(eq, x, value.astype(dt))
   if adapter is None:

@@ -20,6 +20,8 @@ import numpy as np
 
 from jaxrl.config import Config
 from jaxrl.models.transformer import token_logprobs
+from jaxrl.quant import fake_quant_params
+from jaxrl.quant import fake_quant_params
 from jaxrl.registry import ADVANTAGES
 from jaxrl.rl import batch as batch_lib
 from jaxrl.rl import offpolicy as offpolicy_lib
@@ -65,6 +67,7 @@ def policy_loss(run: Run, temperature: float) -> PolicyLoss:
     kl=rl.kl,
     offpolicy=rl.offpolicy,
     max_tokens=rl.max_new_tokens,
+    fake_quant=rl.rollout.quantize if rl.rollout.learner_fake_quant else "none",
   )
 
 
@@ -111,11 +114,18 @@ class Learner:
         estimator=ADVANTAGES.get(rl.advantage),
       )
     graphdef = run.graphdef
+    # pi_prox: with rl.rollout.learner_fake_quant, through the same quantized path as the loss.
+    fake = rl.rollout.quantize if rl.rollout.learner_fake_quant else None
     self._logprobs = jax.jit(
       lambda p, t, v, m: jnp.where(
-        m > 0, token_logprobs(graphdef, p, t, v, temperature=temperature), 0.0
+        m > 0,
+        token_logprobs(
+          graphdef, p if fake is None else fake_quant_params(p, fake), t, v,
+          temperature=temperature,
+        ),
+        0.0,
       )
-    )
+    )  # fmt: skip
     self._ratio_stats = jax.jit(offpolicy_lib.ratio_stats)
 
   def init(self, params) -> LearnerState:

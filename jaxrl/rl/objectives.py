@@ -10,6 +10,7 @@ import jax.numpy as jnp
 from jaxrl.config import KLConfig, OffPolicyConfig, PolicyLossConfig
 from jaxrl.models.moe import load_balancing_loss, router_z_loss
 from jaxrl.models.transformer import token_logprobs, token_logprobs_and_routing
+from jaxrl.quant import fake_quant_params
 from jaxrl.rl import offpolicy as offpolicy_lib
 from jaxrl.rl.kl import kl_estimate
 from jaxrl.rl.losses import POLICY_LOSSES, aggregate
@@ -34,6 +35,7 @@ class PolicyLoss:
   kl: KLConfig = KLConfig()  # config.rl.kl (its beta is a loss term unless kl.in_reward)
   offpolicy: OffPolicyConfig = OffPolicyConfig()  # config.rl.offpolicy
   max_tokens: int | None = None  # the constant normaliser of "seq-mean-token-sum-norm"
+  fake_quant: str = "none"  # rl.rollout.quantize's mode with rl.rollout.learner_fake_quant
 
   @property
   def beta(self) -> float:
@@ -47,6 +49,8 @@ class PolicyLoss:
     return self._aggregate(jnp.zeros_like(batch.loss_mask), batch.loss_mask)[1]
 
   def __call__(self, params, batch):
+    if self.fake_quant != "none":
+      params = fake_quant_params(params, self.fake_quant)
     lb, z = self.loss.load_balance_coef, self.loss.router_z_coef
     if not (lb or z):
       logp, entropy = token_logprobs(
