@@ -8,20 +8,23 @@ sequence's pages per head, which is then already the [K, B, S, H] operand of a b
 runs masked dot attention in that layout, so no step transposes the keys (with pages stored
 [P, page_size, K, H] the gather came out interleaved and XLA fused a transpose into every copy:
 about a quarter of a small model's decode step on a CPU). It works on every backend;
-`paged_attention` is the one call site, where a Pallas kernel that reads the pages in place will
-slot in behind `impl`.
+`paged_attention` is the one call site: `impl="pallas_tpu"` runs a Pallas kernel that reads each
+page in place through the page table (`paged_attention_pallas`), `auto` the reference (the
+kernel has not been compiled on a TPU yet; it is tested through the Pallas interpreter).
 """
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.experimental import pallas as pl
 
 from jaxrl.kernels.attention import dot_attention
 
-IMPLS = ("auto", "reference")
+IMPLS = ("auto", "reference", "pallas_tpu")
 
 
 class PagedKV(NamedTuple):
@@ -66,6 +69,7 @@ def paged_attention(
   soft_cap: float | None = None,
   scale: float | None = None,
   impl: str = "auto",
+  interpret: bool = False,
 ) -> jax.Array:
   """Causal grouped-query attention of q [B, T, N, H] over a paged cache -> [B, T, N, H].
 
@@ -77,7 +81,11 @@ def paged_attention(
     raise ValueError(f"paged attention impl={impl!r}; allowed: {IMPLS}")
   if window is not None and window <= 0:
     raise ValueError(f"paged attention window={window} must be a positive int (or None)")
-  # Only the jnp reference exists yet; "auto" will pick a Pallas kernel on TPU/GPU.
+  if impl == "pallas_tpu":
+    return paged_attention_pallas(
+      q, cache, q_positions, window=window, soft_cap=soft_cap, scale=scale, interpret=interpret
+    )
+  # "auto" stays the reference until the kernel has run on a TPU.
   return paged_attention_reference(
     q,
     cache.k_pages,
@@ -107,3 +115,110 @@ def paged_attention_reference(
   if window is not None:
     mask = mask & (s > pos - window)
   return dot_attention(q, k, v, mask, scale=scale, logit_cap=soft_cap, kv_layout="KBSH")
+
+
+_MASKED = -1e30  # a finite "minus infinity": a row with no visible key yet never makes NaN
+
+
+def _paged_kernel(
+  table_ref, lengths_ref, q_ref, pos_ref, k_ref, v_ref, o_ref, m_ref, l_ref, acc_ref,
+  *, page_size, window, soft_cap, scale,
+):  # fmt: skip
+  """One (sequence b, kv head, page m) step of flash-decoding: the page's keys against the
+  head's G grouped queries of every query position, folded into a running max, sum and output."""
+  b, m = pl.program_id(0), pl.program_id(2)
+
+  @pl.when(m == 0)
+  def _():
+    m_ref[...] = jnp.full_like(m_ref, _MASKED)
+    l_ref[...] = jnp.zeros_like(l_ref)
+    acc_ref[...] = jnp.zeros_like(acc_ref)
+
+  length = lengths_ref[b]
+
+  @pl.when(m * page_size < length)  # pages past the sequence are never read
+  def _():
+    q = q_ref[0, 0].astype(jnp.float32)  # [R, H], R = T * G
+    k = k_ref[0, 0].astype(jnp.float32)  # [page_size, H]
+    v = v_ref[0, 0].astype(jnp.float32)
+    scores = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ()))) * scale  # [R, page_size]
+    if soft_cap is not None:
+      scores = soft_cap * jnp.tanh(scores / soft_cap)
+    keys = m * page_size + jax.lax.broadcasted_iota(jnp.int32, scores.shape, 1)
+    pos = pos_ref[0, 0]  # [R, 1]
+    visible = (keys < length) & (keys <= pos)
+    if window is not None:
+      visible = visible & (keys > pos - window)
+    scores = jnp.where(visible, scores, _MASKED)
+    m_prev = m_ref[...]  # [R, 1]
+    m_new = jnp.maximum(m_prev, jnp.max(scores, axis=1, keepdims=True))
+    p = jnp.where(visible, jnp.exp(scores - m_new), 0.0)
+    alpha = jnp.exp(m_prev - m_new)
+    l_ref[...] = alpha * l_ref[...] + jnp.sum(p, axis=1, keepdims=True)
+    acc_ref[...] = alpha * acc_ref[...] + jnp.dot(p, v)
+    m_ref[...] = m_new
+
+  @pl.when(m == pl.num_programs(2) - 1)
+  def _():
+    l = l_ref[...]
+    o_ref[0, 0] = (acc_ref[...] / jnp.where(l > 0, l, 1.0)).astype(o_ref.dtype)
+
+
+def paged_attention_pallas(
+  q: jax.Array,
+  cache: PagedKV,
+  q_positions: jax.Array,
+  *,
+  window: int | None = None,
+  soft_cap: float | None = None,
+  scale: float | None = None,
+  interpret: bool = False,
+) -> jax.Array:
+  """`paged_attention` as a Pallas (Mosaic TPU) kernel over a (B, K, M) grid that reads page
+  table[b, m] of kv head k in place (the table and lengths scalar-prefetched), with an online
+  softmax across pages, so no step gathers the pages into a contiguous copy. Pages at or past a
+  sequence's length are skipped. A query with no visible key returns zeros (the reference gives
+  the mean of the masked values; such rows are padding either way)."""
+  from jax.experimental.pallas import tpu as pltpu
+
+  b, t, n, h = q.shape
+  kh, _, page_size, _ = cache.k_pages.shape
+  g = n // kh
+  m = cache.page_table.shape[1]
+  r = t * g
+  # [B, T, K, G, H] -> [B, K, T * G, H]: row t * G + j is query position t, head k * G + j.
+  qr = jnp.moveaxis(q.reshape(b, t, kh, g, h), 2, 1).reshape(b, kh, r, h)
+  pos = jnp.broadcast_to(q_positions[:, None, :, None], (b, kh, t, g)).reshape(b, kh, r, 1)
+  kernel = functools.partial(
+    _paged_kernel,
+    page_size=page_size,
+    window=window,
+    soft_cap=soft_cap,
+    scale=h**-0.5 if scale is None else scale,
+  )
+  page = lambda i, k, j, table, lengths: (k, table[i, j], 0, 0)  # noqa: E731
+  head = lambda i, k, j, table, lengths: (i, k, 0, 0)  # noqa: E731
+  grid_spec = pltpu.PrefetchScalarGridSpec(
+    num_scalar_prefetch=2,
+    grid=(b, kh, m),
+    in_specs=[
+      pl.BlockSpec((1, 1, r, h), head),
+      pl.BlockSpec((1, 1, r, 1), head),
+      pl.BlockSpec((1, 1, page_size, h), page),
+      pl.BlockSpec((1, 1, page_size, h), page),
+    ],
+    out_specs=pl.BlockSpec((1, 1, r, h), head),
+    scratch_shapes=[
+      pltpu.VMEM((r, 1), jnp.float32),
+      pltpu.VMEM((r, 1), jnp.float32),
+      pltpu.VMEM((r, h), jnp.float32),
+    ],
+  )
+  out = pl.pallas_call(
+    kernel,
+    grid_spec=grid_spec,
+    out_shape=jax.ShapeDtypeStruct((b, kh, r, h), q.dtype),
+    compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary")),
+    interpret=interpret,
+  )(cache.page_table, cache.lengths, qr, pos, cache.k_pages, cache.v_pages)
+  return jnp.moveaxis(out.reshape(b, kh, t, g, h), 1, 2).reshape(b, t, n, h)
