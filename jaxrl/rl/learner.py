@@ -21,7 +21,6 @@ import numpy as np
 from jaxrl.config import Config
 from jaxrl.models.transformer import token_logprobs
 from jaxrl.quant import fake_quant_params
-from jaxrl.quant import fake_quant_params
 from jaxrl.registry import ADVANTAGES
 from jaxrl.rl import batch as batch_lib
 from jaxrl.rl import offpolicy as offpolicy_lib
