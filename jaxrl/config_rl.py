@@ -94,7 +94,9 @@ class AllocationConfig:
   prompts_per_step * group_size samples is spent in rounds, every prompt getting `initial`
   samples first and the rest going to the prompts whose rewards vary, so groups have variable
   sizes (advantages, loss and metrics take them as they are). vigor: VIGOR's variance-greedy
-  rounds; pilot_commit: Pilot-Commit's pilot, then the rest to the prompts that varied."""
+  rounds (each round to the prompts whose rewards vary, by variance, up to max_group; the tied
+  ones only get what is left at the end); pilot_commit: Pilot-Commit's pilot, then the rest to
+  the prompts that varied."""
 
   method: str = _field(
     "none",

@@ -72,13 +72,21 @@ def _give(order, counts, cap: int, budget: int, per: int, once: bool) -> np.ndar
 def vigor_round(
   rewards: list[np.ndarray], counts, *, budget: int, increment: int, cap: int, last: bool
 ) -> np.ndarray:
-  """VIGOR (VarIance Guided Online Rollout allocation): `increment` more samples to each prompt
-  in descending order of its reward variance so far, one grant per prompt per round, until
-  this round's `budget` is spent; prompts at `cap` are passed over. On the `last` round
-  whatever is left goes round after round in the same order, so the step's budget is spent."""
+  """VIGOR (VarIance Guided Online Rollout allocation): this round's `budget` goes `increment`
+  samples at a time, round after round, to the prompts whose rewards vary so far, in descending
+  order of their variance, each up to `cap`; prompts whose rewards all tie get none (their
+  group has no gradient). What the varying prompts cannot take waits for the next round, whose
+  samples may show more of them varying; on the `last` round it goes to the tied prompts, in
+  index order, so the step's budget is spent and the batch keeps its shape."""
   var = reward_variance(rewards)
-  order = sorted(range(len(counts)), key=lambda i: (-var[i], i))
-  return _give(order, np.asarray(counts), cap, budget, increment, once=not last)
+  counts = np.asarray(counts)
+  varying = sorted((i for i in range(len(counts)) if var[i] > 0), key=lambda i: (-var[i], i))
+  extra = _give(varying, counts, cap, budget, increment, once=False)
+  rest = budget - int(extra.sum())
+  if last and rest:
+    tied = [i for i in range(len(counts)) if var[i] == 0]
+    extra += _give(tied, counts + extra, cap, rest, increment, once=False)
+  return extra
 
 
 def pilot_commit(rewards: list[np.ndarray], counts, *, budget: int, cap: int) -> np.ndarray:

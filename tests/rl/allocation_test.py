@@ -45,19 +45,25 @@ def test_fill_pads_with_the_earliest_dropped_groups_when_short():
 # ------------------------------------------------------------------- in-step allocation
 
 
-def test_vigor_gives_the_round_to_the_highest_variance_prompts_once_each():
+def test_vigor_gives_the_round_to_the_varying_prompts_by_variance():
   rewards = [np.array([1.0, 1.0]), np.array([0.0, 1.0]), np.array([0.0, 0.5]), np.zeros(2)]
-  # variances 0, 0.25, 0.0625, 0: order 1, 2, then the tied 0 and 3 by index.
+  # variances 0, 0.25, 0.0625, 0: the varying prompts 1 then 2; 0 and 3 tie.
   extra = vigor_round(rewards, [2, 2, 2, 2], budget=4, increment=2, cap=8, last=False)
   np.testing.assert_array_equal(extra, [0, 2, 2, 0])
-  # A round's budget beyond one grant each is not spent until the last round...
+  # Round after round to the varying prompts, up to the cap; the tied ones get nothing before
+  # the last round (what the varying ones cannot take waits for it).
   extra = vigor_round(rewards, [2, 2, 2, 2], budget=12, increment=2, cap=8, last=False)
-  np.testing.assert_array_equal(extra, [2, 2, 2, 2])
-  # ...which goes round after round, capped per prompt.
+  np.testing.assert_array_equal(extra, [0, 6, 6, 0])
+  extra = vigor_round(rewards, [2, 2, 2, 2], budget=16, increment=2, cap=8, last=False)
+  np.testing.assert_array_equal(extra, [0, 6, 6, 0])
+  # The last round spends it all: the varying prompts to the cap first, then the tied ones.
   extra = vigor_round(rewards, [2, 2, 2, 2], budget=12, increment=2, cap=5, last=True)
   np.testing.assert_array_equal(extra, [3, 3, 3, 3])
   extra = vigor_round(rewards, [2, 6, 2, 2], budget=3, increment=2, cap=6, last=True)
-  np.testing.assert_array_equal(extra, [1, 0, 2, 0])  # prompt 1 is at the cap; 0 before 3
+  np.testing.assert_array_equal(extra, [0, 0, 3, 0])  # prompt 1 is at the cap
+  # Nothing varies: the last round goes round-robin over every prompt, by index.
+  extra = vigor_round([np.zeros(2)] * 3, [2, 2, 2], budget=5, increment=2, cap=8, last=True)
+  np.testing.assert_array_equal(extra, [2, 2, 1])
 
 
 def test_pilot_commit_gives_the_rest_to_the_prompts_that_varied():
