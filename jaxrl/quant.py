@@ -322,13 +322,16 @@ def fake_quant_params(params: nnx.State, mode: str) -> nnx.State:
   of `mode`, inside a differentiated function (the wrapping moves no data)."""
   if mode not in QUANT_MODES:
     raise ValueError(f"fake_quant_params: unknown mode {mode!r}; allowed modes: {QUANT_MODES}")
+  return _map_projections(params, lambda w, in_ndim: FakeQuant(w, mode, in_ndim))
+
+
+def _map_projections(params: nnx.State, fn) -> nnx.State:
+  """params with each leaf `_quantized_leaves` picks replaced by fn(weight, in_ndim)."""
   flat = nnx.to_flat_state(params)
   todo = _quantized_leaves(flat)
   out = {}
   for path, v in flat:
-    if path in todo:
-      v = v.replace(FakeQuant(v.get_value(), mode, todo[path]))
-    out[path] = v
+    out[path] = v.replace(fn(v.get_value(), todo[path])) if path in todo else v
   return nnx.from_flat_state(out)
 
 
@@ -374,14 +377,7 @@ def quantize_params(params: nnx.State, mode: str = "int8") -> nnx.State:
   """
   if mode not in QUANT_MODES:
     raise ValueError(f"quantize_params: unknown mode {mode!r}; allowed modes: {QUANT_MODES}")
-  flat = nnx.to_flat_state(params)
-  todo = _quantized_leaves(flat)
-  out = {}
-  for path, v in flat:
-    if path in todo:
-      v = v.replace(quantize_weight(v.get_value(), todo[path], mode))
-    out[path] = v
-  return nnx.from_flat_state(out)
+  return _map_projections(params, lambda w, in_ndim: quantize_weight(w, in_ndim, mode))
 
 
 class Quantizer:

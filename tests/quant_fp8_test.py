@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from helpers import greedy_rows, numpy_model, token_logprobs
+from helpers import numpy_model
 from quant_test import (
   CFG,
   EINSUMS,
@@ -22,6 +22,7 @@ from quant_test import (
   _logits,
   _rng_weights,
   _tokens,
+  greedy_reference,
 )
 
 from jaxrl.quant import (
@@ -222,17 +223,7 @@ def test_fp8_forwards_stay_near_float_in_the_order_of_their_precision():
 
 def test_fp8_engine_matches_no_cache_fp8_reference():
   graphdef, _, qparams = _fp8_model("fp8")
-  tokens = np.zeros((len(PROMPTS), REF_S), np.int32)
-  for i, p in enumerate(PROMPTS):
-    tokens[i, : len(p)] = p
-  lengths = np.array([len(p) for p in PROMPTS], np.int32)
-  out, gap = greedy_rows(graphdef, qparams, tokens, lengths, np.int32(NEW))
-  assert float(jnp.min(gap)) > 1e-3, "argmax too close to a tie to compare two code paths"
-  out = np.asarray(out)
-  valid = np.arange(REF_S)[None] < (lengths + NEW)[:, None]
-  logp = np.asarray(token_logprobs(graphdef, qparams, out, valid))
-  ref_tokens = np.stack([out[b, k : k + NEW] for b, k in enumerate(lengths)])
-  ref_logp = np.stack([logp[b, k : k + NEW] for b, k in enumerate(lengths)])
+  ref_tokens, ref_logp = greedy_reference(graphdef, qparams)
   engine = Engine(
     CFG, graphdef, max_concurrent_decodes=3, num_pages=24, page_size=4,
     max_prefill_length=P, max_target_length=REF_S,

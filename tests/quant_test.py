@@ -395,6 +395,11 @@ REF_S = P + NEW  # one [B, S] shape for the no-cache reference
 def _int8_reference():
   """(completions [B, NEW], learner logprobs of them [B, NEW]) under the quantized params."""
   graphdef, _, qparams = _model()
+  return greedy_reference(graphdef, qparams)
+
+
+def greedy_reference(graphdef, qparams):
+  """The no-cache greedy completions of PROMPTS under `qparams` and their learner log-probs."""
   tokens = np.zeros((len(PROMPTS), REF_S), np.int32)
   for i, p in enumerate(PROMPTS):
     tokens[i, : len(p)] = p
