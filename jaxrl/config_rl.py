@@ -199,6 +199,15 @@ class RolloutConfig:
     "quantize-dequantize path with straight-through gradients (needs quantize), so the "
     "learner scores tokens with the numerics that drew them",
   )
+  routes: str = _field(
+    "none",
+    choices=("none", "record", "replay"),
+    help="MoE models: record has the engine return every token's top-k experts per layer "
+    "(carried through partial-rollout resumes) and reports the sampler-learner routing "
+    "agreement per layer (moe/route_agree*); replay also forces the learner's loss and pi_prox "
+    "forwards to those experts, gated by the live router's softmax over them (R3, routing "
+    "replay), so router gradients still flow",
+  )
 
 
 @dataclasses.dataclass(frozen=True)

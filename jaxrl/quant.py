@@ -16,6 +16,7 @@ backend; where the hardware has no fp8 units (CPUs) XLA upcasts them, which cost
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
@@ -186,6 +187,7 @@ def quantize_activations(
   """
   axes = tuple(a % x.ndim for a in contracted_axes)
   values, scale = _symmetric(x, axes, dtype)
+  _count_underflow(x, values)
   return values, jnp.squeeze(scale, axes)
 
 
@@ -200,7 +202,62 @@ def quantize_activation_groups(
   xp = _pad_to(x, x.ndim - 1, g)
   tiles = xp.reshape(*x.shape[:-1], xp.shape[-1] // g, g)
   values, scale = _symmetric(tiles, (tiles.ndim - 1,), dtype)
-  return values.reshape(xp.shape)[..., :k], scale[..., 0]
+  values = values.reshape(xp.shape)[..., :k]
+  _count_underflow(x, values)
+  return values, scale[..., 0]
+
+
+class UnderflowCounter:
+  """Counts the activations a quantized forward rounds to zero although they are not zero (the
+  mismatch monitor's underflow count): int8 loses every |x| under half its row's step, fp8
+  what falls below its smallest subnormal after scaling.
+
+  Functions traced inside `tracing()` (under jit: at their first call) report, at every call,
+  each activation quantization's count through a host callback; `read()` returns the totals
+  since the last read, (zeroed, nonzero). With a token mask ([B, T] bool) given to `tracing`,
+  only the activations of real tokens count (projections whose input starts with [B, T], or
+  [B * T] rows).
+  """
+
+  _active: UnderflowCounter | None = None
+
+  def __init__(self):
+    self.zeroed = self.nonzero = 0
+    self.mask = None
+
+  @contextlib.contextmanager
+  def tracing(self, mask=None):
+    previous, UnderflowCounter._active = UnderflowCounter._active, self
+    self.mask = mask
+    try:
+      yield self
+    finally:
+      UnderflowCounter._active, self.mask = previous, None
+
+  def _add(self, zeroed, nonzero) -> None:
+    self.zeroed += int(zeroed)
+    self.nonzero += int(nonzero)
+
+  def read(self) -> tuple[int, int]:
+    jax.effects_barrier()  # every callback of the calls so far has run
+    out = (self.zeroed, self.nonzero)
+    self.zeroed = self.nonzero = 0
+    return out
+
+
+def _count_underflow(x: jax.Array, values: jax.Array) -> None:
+  counter = UnderflowCounter._active
+  if counter is None:
+    return
+  nonzero = x != 0
+  m = counter.mask
+  if m is not None:
+    if x.shape[: m.ndim] == m.shape:
+      nonzero = nonzero & m.reshape(m.shape + (1,) * (x.ndim - m.ndim))
+    elif x.shape[0] == m.size:
+      nonzero = nonzero & m.reshape((m.size,) + (1,) * (x.ndim - 1))
+  zeroed = jnp.sum(nonzero & (values == 0), dtype=jnp.int32)
+  jax.debug.callback(counter._add, zeroed, jnp.sum(nonzero, dtype=jnp.int32))
 
 
 def _parse(eq: str) -> tuple[str, str, str, str, str]:

@@ -29,10 +29,12 @@ from jaxrl.quant import (
   BlockQArray,
   QArray,
   Quantizer,
+  UnderflowCounter,
   dequantize,
   int8_einsum,
   quantize,
   quantize_activation_groups,
+  quantize_activations,
   quantize_blocks,
   quantize_params,
   quantized_einsum,
@@ -302,3 +304,33 @@ def test_fake_quant_runs_the_samplers_numerics_with_straight_through_gradients(m
   sampler = jax.jit(lambda p: token_logprobs(graphdef, p, tokens, valid))
   np.testing.assert_allclose(np.asarray(fake(params)), np.asarray(sampler(qparams)), atol=1e-5)
   assert np.abs(np.asarray(fake(params)) - np.asarray(sampler(params))).max() > 1e-3
+
+
+def test_underflow_counter_counts_nonzero_activations_quantized_to_zero():
+  # int8, one row: step 100 / 127 ~ 0.79; 0.1 rounds to 0, 0.5 to 1, the 0 was zero already.
+  # fp8 e4m3: 448 maps to itself (scale 1); 1e-4 < half the smallest subnormal 2**-9 -> 0.
+  x = jnp.asarray([[100.0, 0.1, 0.5, 0.0], [448.0, 1e-4, 3.0, -2.0]])
+  mask = jnp.asarray([True, True])
+  counter = UnderflowCounter()
+
+  @jax.jit
+  def f(x, mask):
+    with counter.tracing(mask=mask):
+      a = quantize_activations(x[:1], (-1,), jnp.int8)[0]
+      b = quantize_activations(x[1:], (-1,), jnp.float8_e4m3fn)[0]
+    return a, b
+
+  f(x, mask)
+  assert counter.read() == (2, 7)
+  f(x, mask)  # the callbacks are in the compiled program: every call counts, read resets
+  assert counter.read() == (2, 7)
+  # Masked rows (padding) do not count; with no counter tracing nothing is counted.
+  with counter.tracing(mask=jnp.asarray([False, True])):
+    quantize_activations(x, (-1,), jnp.int8)  # row 1 in int8: 1e-4 -> 0 (of 4 nonzero)
+  assert counter.read() == (1, 4)
+  quantize_activations(x, (-1,), jnp.int8)
+  assert counter.read() == (0, 0)
+  # Groups (fp8_block activations): the group's own max sets the scale (1e-7 * 448 < 2**-10).
+  with counter.tracing():
+    quantize_activation_groups(jnp.asarray([[1.0, 1e-7, 2.0, 3.0]]), 2, jnp.float8_e4m3fn)
+  assert counter.read() == (1, 4)

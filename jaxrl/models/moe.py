@@ -31,6 +31,31 @@ def route(logits: jax.Array, top_k: int, renormalize: bool) -> tuple[jax.Array, 
   return weights, experts.astype(jnp.int32)
 
 
+def replay_route(
+  logits: jax.Array, forced: jax.Array, top_k: int, renormalize: bool
+) -> tuple[jax.Array, jax.Array]:
+  """Routing replay (R3, "Stabilizing MoE Reinforcement Learning by Aligning Training and
+  Inference Routers", arXiv 2510.11370): the experts are the sampler's, the gate weights the live
+  router's.
+
+  logits: [..., E] the learner's router logits; forced: [..., k] int experts the sampler chose
+  for each token (-1: not recorded, e.g. padding or a sequence's last token, which feeds no
+  log-prob: that token keeps its own top k). The weights are the live softmax probabilities of
+  the forced experts, renormalised as `route` does: with `renormalize` exactly the softmax of the
+  logits restricted to them. So the router still gets gradients through the weights, and forcing
+  a token to the experts it would pick anyway changes nothing. Returns (weights [..., k] float32,
+  experts [..., k] int32).
+  """
+  own_weights, own = route(logits, top_k, renormalize)
+  recorded = jnp.all(forced >= 0, axis=-1, keepdims=True)
+  experts = jnp.where(recorded, forced.astype(jnp.int32), own)
+  probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+  weights = jnp.take_along_axis(probs, experts, axis=-1)
+  if renormalize:
+    weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+  return jnp.where(recorded, weights, own_weights), experts
+
+
 def _swiglu_ragged(x, gate, up, down, group_sizes):
   """Each row of x [R, D] (rows sorted by expert) through its expert's SwiGLU -> [R, D]."""
   g = jax.lax.ragged_dot(x, gate, group_sizes)  # [R, F]
@@ -123,11 +148,18 @@ class MoEMLP(nnx.Module):
     self.top_k = cfg.experts_per_token
     self.renormalize = cfg.norm_topk_prob
 
-  def __call__(self, x):
-    """x: [B, T, D] -> [B, T, D]; sows `Routing` (top-k experts, router logits)."""
+  def __call__(self, x, routes=None):
+    """x: [B, T, D] -> [B, T, D]; sows `Routing` (the router's own top-k experts, its logits).
+
+    routes: [B, T, k] int experts to replay (`replay_route`; -1 where none was recorded), or
+    None to route by the router's own top k. What is sown is the router's own choice either way:
+    comparing it with `routes` is the sampler-learner routing agreement.
+    """
     logits = jnp.einsum("BTD,DE->BTE", x, self.router[...].astype(x.dtype))
     weights, experts = route(logits, self.top_k, self.renormalize)
     # Recorded only under `nnx.capture` (see `apply_with_routing`); a plain forward keeps nothing.
     if hasattr(self, "__captures__"):
       self.sow(Routing, "routing", (experts, logits.astype(jnp.float32)))
+    if routes is not None:
+      weights, experts = replay_route(logits, routes, self.top_k, self.renormalize)
     return moe_dispatch(x, weights, experts, self.gate[...], self.up[...], self.down[...])

@@ -50,12 +50,13 @@ class Block(nnx.Module):
     self.post_attn_norm = RMSNorm(d, eps, dtype=dt, zero_centered=zc) if cfg.post_norms else None
     self.post_mlp_norm = RMSNorm(d, eps, dtype=dt, zero_centered=zc) if cfg.post_norms else None
 
-  def __call__(self, x, positions, kv_valid, cache=None, cache_index=0, layer=None):
+  def __call__(self, x, positions, kv_valid, cache=None, cache_index=0, layer=None, routes=None):
+    """routes: [B, T, k] experts an MoE layer replays (`jaxrl.models.moe.replay_route`)."""
     h, cache = self.attn(self.attn_norm(x), positions, kv_valid, cache, cache_index, layer)
     if self.post_attn_norm is not None:
       h = self.post_attn_norm(h)
     x = x + h
-    h = self.mlp(self.mlp_norm(x))
+    h = self.mlp(self.mlp_norm(x)) if routes is None else self.mlp(self.mlp_norm(x), routes)
     if self.post_mlp_norm is not None:
       h = self.post_mlp_norm(h)
     return x + h, cache
@@ -115,6 +116,7 @@ class Transformer(nnx.Module):
     cache_index=0,
     logits_at: jax.Array | None = None,
     return_hidden: bool = False,
+    routes: jax.Array | None = None,
   ) -> tuple[jax.Array, KVCache | None]:
     """tokens, positions: [B, T]; kv_valid: [B, S] marks real (non-pad) keys.
 
@@ -122,8 +124,11 @@ class Transformer(nnx.Module):
     `logits_at` ([B] indices into T) computes logits at one position per row only.
     Returns (logits [B, T, V] float32 — or [B, V] with logits_at — , new cache);
     with `return_hidden` the final-normed hidden states [B, T, D] instead of logits (a value
-    head reads them: jaxrl.rl.critic).
+    head reads them: jaxrl.rl.critic). `routes` ([B, T, L, k] int, MoE models only) replays the
+    sampler's experts in every layer (routing replay; -1 where none was recorded).
     """
+    if routes is not None and not self.cfg.num_experts:
+      raise ValueError("routes (routing replay) needs an MoE model; this one has no experts")
     x = self.embed[...].astype(self.cfg.compute_dtype)[tokens]  # [B, T, D]
     if self.cfg.scale_embeddings:
       # Rounded to the activation dtype first, as HF Gemma does (sqrt(1152) -> 34.0 in bfloat16).
@@ -131,11 +136,14 @@ class Transformer(nnx.Module):
     x = logical_constraint(x, _ACT)
     new_cache = []
     if cache is None and (self.cfg.scan_layers or self.cfg.remat != "none"):
-      x = self._blocks_without_cache(x, positions, kv_valid)
+      x = self._blocks_without_cache(x, positions, kv_valid, routes)
     else:
       for i, layer in enumerate(self.layers):
         layer_cache = None if cache is None else cache[i]
-        x, layer_cache = layer(x, positions, kv_valid, layer_cache, cache_index)
+        layer_routes = None if routes is None else routes[:, :, i]
+        x, layer_cache = layer(
+          x, positions, kv_valid, layer_cache, cache_index, routes=layer_routes
+        )
         x = logical_constraint(x, _ACT)
         new_cache.append(layer_cache)
     if logits_at is not None:
@@ -151,20 +159,21 @@ class Transformer(nnx.Module):
     logits = softcap(logits.astype(jnp.float32), self.cfg.final_logit_softcap)
     return logits, (tuple(new_cache) if cache is not None else None)
 
-  def _blocks_without_cache(self, x, positions, kv_valid):
+  def _blocks_without_cache(self, x, positions, kv_valid, routes=None):
     """The blocks of a cache-free forward, scanned and/or rematerialised (see the class doc)."""
     cfg = self.cfg
     capture = hasattr(self, "__captures__")  # under nnx.capture: MoE routing is being recorded
     # Params apart from the rest (capture bookkeeping), so only arrays are stacked and scanned.
     split = [nnx.split(layer, nnx.Param, ...) for layer in self.layers]
 
-    def run(graphdef, rest, params, x, layer):
+    def run(graphdef, rest, params, x, layer, layer_routes):
       block = nnx.merge(graphdef, params, rest)
+      kw = dict(layer=layer, routes=layer_routes)
       if capture:
-        (y, _), sown = nnx.capture(block, Routing)(x, positions, kv_valid, layer=layer)
+        (y, _), sown = nnx.capture(block, Routing)(x, positions, kv_valid, **kw)
         routing = sown["mlp"]["routing"][0] if "mlp" in sown else None  # (experts, logits)
       else:
-        y, _ = block(x, positions, kv_valid, layer=layer)
+        y, _ = block(x, positions, kv_valid, **kw)
         routing = None
       return logical_constraint(y, _ACT), routing
 
@@ -172,8 +181,11 @@ class Transformer(nnx.Module):
       return f if cfg.remat == "none" else jax.checkpoint(f, policy=_REMAT[cfg.remat], **kw)
 
     if not cfg.scan_layers:
-      for layer, (graphdef, params, rest) in zip(self.layers, split, strict=True):
-        x, routing = remat(lambda p, x, g=graphdef, r=rest: run(g, r, p, x, None))(params, x)
+      for i, (layer, (graphdef, params, rest)) in enumerate(zip(self.layers, split, strict=True)):
+        lr = None if routes is None else routes[:, :, i]
+        x, routing = remat(lambda p, x, lr, g=graphdef, r=rest: run(g, r, p, x, None, lr))(
+          params, x, lr
+        )
         if routing is not None:
           layer.mlp.sow(Routing, "routing", routing)
       return x
@@ -186,10 +198,11 @@ class Transformer(nnx.Module):
           "layer 0 (set model.scan_layers=False)"
         )
     stacked = jax.tree.map(lambda *leaves: jnp.stack(leaves), *(p for _, p, _ in split))  # [L, ...]
+    per_layer_routes = None if routes is None else jnp.moveaxis(routes, 2, 0)  # [L, B, T, k]
     x, routing = jax.lax.scan(
-      remat(lambda x, xs: run(graphdef, rest, xs[0], x, xs[1]), prevent_cse=False),
+      remat(lambda x, xs: run(graphdef, rest, xs[0], x, xs[1], xs[2]), prevent_cse=False),
       x,
-      (stacked, self._layer_inputs()),
+      (stacked, self._layer_inputs(), per_layer_routes),
     )
     if routing is not None:
       for i, layer in enumerate(self.layers):
@@ -253,24 +266,28 @@ def positions_from_mask(valid: jax.Array) -> jax.Array:
 
 
 def token_logprobs(
-  graphdef, params, tokens, valid, *, temperature: float = 1.0, with_entropy: bool = False
-):
+  graphdef, params, tokens, valid, *, temperature: float = 1.0, with_entropy: bool = False,
+  routes=None,
+):  # fmt: skip
   """Per-token log p(tokens[:, j] | tokens[:, :j]) under softmax(logits / temperature).
 
   tokens, valid: [B, T]. Returns logp [B, T] (column 0 is 0: nothing predicts it) and, if asked,
-  the entropy [B, T] of the predictive distribution for each target. All in float32.
+  the entropy [B, T] of the predictive distribution for each target. All in float32. `routes`
+  ([B, T, L, k], MoE only) replays recorded experts (`Transformer.__call__`).
   """
-  logits, _ = apply(graphdef, params, tokens, positions_from_mask(valid), valid)
+  logits, _ = apply(graphdef, params, tokens, positions_from_mask(valid), valid, routes=routes)
   return _logprobs(logits, tokens, temperature, with_entropy)
 
 
 def token_logprobs_and_routing(
-  graphdef, params, tokens, valid, *, temperature: float = 1.0, with_entropy: bool = False
-):
+  graphdef, params, tokens, valid, *, temperature: float = 1.0, with_entropy: bool = False,
+  routes=None,
+):  # fmt: skip
   """`token_logprobs` plus the routing of every MoE layer (`apply_with_routing`'s dict, None for
-  a dense model) from the same forward: what the MoE auxiliary losses read."""
+  a dense model) from the same forward: what the MoE auxiliary losses and the routing-agreement
+  metric read. With `routes` replayed, the dict still holds the router's own top k."""
   logits, _, routing = apply_with_routing(
-    graphdef, params, tokens, positions_from_mask(valid), valid
+    graphdef, params, tokens, positions_from_mask(valid), valid, routes=routes
   )
   return _logprobs(logits, tokens, temperature, with_entropy), routing
 

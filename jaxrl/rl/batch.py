@@ -26,6 +26,7 @@ class TrainBatch(NamedTuple):
   learner_version: jax.Array | None = None  # int32 [B]: the version the learner holds (for lag)
   values: jax.Array | None = None  # float32 critic values V(s_t) at rollout time (PPO, gae)
   returns: jax.Array | None = None  # float32 GAE returns, the critic's regression targets
+  routes: jax.Array | None = None  # int8/16 [B, T, L, k] the sampler's MoE experts (-1: none)
 
   def lag(self) -> jax.Array:
     """[B, T] float32 versions each loss token is behind the learner (0 without learner_version)."""
@@ -44,13 +45,16 @@ def rollout_columns(rollout, row_weight=None) -> dict[str, np.ndarray]:
   mask (`mask`, unweighted), `loss_mask` (times the per-row `row_weight` [B], if given), the
   behaviour log-probs and the per-token versions (-1 off the loss tokens). Each completion
   token keeps the policy version that sampled it (`Rollout.versions`), so a sequence continued
-  across updates carries its own staleness per token."""
+  across updates carries its own staleness per token. A rollout with captured MoE routes adds
+  `routes` [B, T, L, k]."""
   prompt_tokens, rollout_mask = np.asarray(rollout.prompt_tokens), np.asarray(rollout.mask)
   b, p = prompt_tokens.shape
   mask = np.concatenate([np.zeros((b, p), bool), rollout_mask], axis=1).astype(np.float32)
   versions = np.concatenate([np.full((b, p), -1, np.int32), np.asarray(rollout.versions)], axis=1)
   weight = np.ones(b, np.float32) if row_weight is None else np.asarray(row_weight, np.float32)
+  routes = getattr(rollout, "routes", None)
   return {
+    **({} if routes is None else {"routes": np.asarray(routes)}),
     "tokens": np.concatenate([prompt_tokens, np.asarray(rollout.tokens)], axis=1).astype(np.int32),
     "valid": np.concatenate([np.asarray(rollout.prompt_mask), rollout_mask], axis=1),
     "mask": mask,

@@ -65,6 +65,7 @@ def build_sampler(run: Run, mesh=None) -> GroupSampler:
     mesh=run.mesh if mesh is None else mesh,
     rules=run.rules,
     resumable=rl.partial.enabled,
+    capture_routes=ro.routes != "none",
   )
 
 
@@ -440,6 +441,7 @@ class Experience:
       dev["old_logprobs"],
       jnp.zeros_like(dev["old_logprobs"]),
       dev["versions"],
+      routes=dev.get("routes"),
     )
     stats = {}
     if rl.kl.beta > 0:

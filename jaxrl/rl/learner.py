@@ -20,7 +20,7 @@ import numpy as np
 
 from jaxrl.config import Config
 from jaxrl.models.transformer import token_logprobs
-from jaxrl.quant import fake_quant_params
+from jaxrl.quant import UnderflowCounter, fake_quant_params, quantize_params
 from jaxrl.registry import ADVANTAGES
 from jaxrl.rl import batch as batch_lib
 from jaxrl.rl import offpolicy as offpolicy_lib
@@ -67,6 +67,7 @@ def policy_loss(run: Run, temperature: float) -> PolicyLoss:
     offpolicy=rl.offpolicy,
     max_tokens=rl.max_new_tokens,
     fake_quant=rl.rollout.quantize if rl.rollout.learner_fake_quant else "none",
+    routes=rl.rollout.routes,
   )
 
 
@@ -115,17 +116,32 @@ class Learner:
     graphdef = run.graphdef
     # pi_prox: with rl.rollout.learner_fake_quant, through the same quantized path as the loss.
     fake = rl.rollout.quantize if rl.rollout.learner_fake_quant else None
+    # ... and with rl.rollout.routes='replay', on the sampler's experts.
+    self._replay = rl.rollout.routes == "replay"
     self._logprobs = jax.jit(
-      lambda p, t, v, m: jnp.where(
+      lambda p, t, v, m, r: jnp.where(
         m > 0,
         token_logprobs(
           graphdef, p if fake is None else fake_quant_params(p, fake), t, v,
-          temperature=temperature,
+          temperature=temperature, routes=r,
         ),
         0.0,
       )
     )  # fmt: skip
     self._ratio_stats = jax.jit(offpolicy_lib.ratio_stats)
+    # Quantized rollouts: the sampler's quantized forward over the batch, counting the
+    # activations it rounds to zero (mismatch/act_underflow*), once per step.
+    self._underflow = None
+    if rl.rollout.quantize != "none":
+      self._underflow = UnderflowCounter()
+      mode, counter = rl.rollout.quantize, self._underflow
+
+      def quantized_forward(p, t, v):
+        with counter.tracing(mask=v):  # at trace time: the callbacks go into the program
+          logp = token_logprobs(graphdef, quantize_params(p, mode), t, v, temperature=temperature)
+        return jnp.sum(logp)
+
+      self._quantized_forward = jax.jit(quantized_forward)
 
   def init(self, params) -> LearnerState:
     """The RL state from the warm-started params. The critic comes first: the policy's first
@@ -218,8 +234,14 @@ class Learner:
     corrected = rl.offpolicy.method != "none" or rl.offpolicy.is_correction != "none"
     if not corrected and rl.rollout.quantize == "none":
       return batch, {}
-    prox = self._logprobs(params, batch.tokens, batch.valid, batch.loss_mask)
+    routes = batch.routes if self._replay else None
+    prox = self._logprobs(params, batch.tokens, batch.valid, batch.loss_mask, routes)
     stats = self._ratio_stats(prox, batch.old_logprobs, batch.loss_mask)
+    if self._underflow is not None:
+      self._quantized_forward(params, batch.tokens, batch.valid)
+      zeroed, nonzero = self._underflow.read()
+      stats["mismatch/act_underflow"] = float(zeroed)
+      stats["mismatch/act_underflow_frac"] = zeroed / max(nonzero, 1)
     if (decoupled and rl.offpolicy.prox == "recompute") or rl.offpolicy.is_correction != "none":
       return batch._replace(prox_logprobs=prox), stats
     if not corrected:

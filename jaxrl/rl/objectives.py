@@ -36,6 +36,7 @@ class PolicyLoss:
   offpolicy: OffPolicyConfig = OffPolicyConfig()  # config.rl.offpolicy
   max_tokens: int | None = None  # the constant normaliser of "seq-mean-token-sum-norm"
   fake_quant: str = "none"  # rl.rollout.quantize's mode with rl.rollout.learner_fake_quant
+  routes: str = "none"  # rl.rollout.routes: "record" measures agreement, "replay" forces them
 
   @property
   def beta(self) -> float:
@@ -52,7 +53,9 @@ class PolicyLoss:
     if self.fake_quant != "none":
       params = fake_quant_params(params, self.fake_quant)
     lb, z = self.loss.load_balance_coef, self.loss.router_z_coef
-    if not (lb or z):
+    recorded = batch.routes if self.routes != "none" else None
+    replay = recorded if self.routes == "replay" else None
+    if not (lb or z or recorded is not None):
       logp, entropy = token_logprobs(
         self.graphdef,
         params,
@@ -64,9 +67,13 @@ class PolicyLoss:
       return self.from_logprobs(logp, entropy, batch)
     (logp, entropy), routing = token_logprobs_and_routing(
       self.graphdef, params, batch.tokens, batch.valid, temperature=self.temperature,
-      with_entropy=True,
+      with_entropy=True, routes=replay,
     )  # fmt: skip
     total, metrics = self.from_logprobs(logp, entropy, batch)
+    if recorded is not None:
+      metrics.update(route_agreement(routing["experts"], recorded, batch.valid))
+    if not (lb or z):
+      return total, metrics
     aux, aux_metrics = moe_aux_loss(routing, batch.valid, lb, z)
     # The step divides the summed totals by the whole batch's denominator: weighting each
     # micro-batch's aux loss by its own share keeps it a mean, however the batch is split.
@@ -154,6 +161,28 @@ class SFTLoss:
       return nll, metrics
     aux, aux_metrics = moe_aux_loss(routing, batch.valid, lb, z)
     return nll + aux * n, {**metrics, **aux_metrics}
+
+
+def route_agreement(own, recorded, valid) -> dict:
+  """How far the learner's router agrees with the sampler's: per MoE layer, the mean over the
+  real positions the sampler fed (recorded >= 0) of |own top k & sampler's top k| / k.
+
+  own: [L, B, T, k] the learner's own experts (`apply_with_routing`); recorded: [B, T, L, k]
+  (`TrainBatch.routes`); valid [B, T]. Metrics as (sum, count) pairs, so micro-batches and
+  mini-batches pool: moe/route_agree (all layers) and moe/route_agree_l{i}. 1 where the two
+  routers pick the same experts; routing replay does not change it (it is the router's own
+  choice that is compared), it makes the forward ignore it.
+  """
+  rec = jnp.moveaxis(recorded.astype(jnp.int32), 2, 0)  # [L, B, T, k]
+  hit = jnp.any(own[..., :, None] == rec[..., None, :], axis=-1)  # [L, B, T, k]
+  overlap = jnp.mean(hit.astype(jnp.float32), axis=-1)  # [L, B, T]
+  fed = (jnp.all(rec >= 0, axis=-1) & valid[None]).astype(jnp.float32)
+  per_layer_sum = jnp.sum(overlap * fed, axis=(1, 2))
+  per_layer_n = jnp.sum(fed, axis=(1, 2))
+  metrics = {"moe/route_agree": (jnp.sum(per_layer_sum), jnp.sum(per_layer_n))}
+  for i in range(own.shape[0]):
+    metrics[f"moe/route_agree_l{i}"] = (per_layer_sum[i], per_layer_n[i])
+  return metrics
 
 
 def moe_aux_loss(routing, valid, load_balance_coef: float, router_z_coef: float):

@@ -14,7 +14,8 @@ the rest to the next step:
   step s+1: each carried sequence is re-prefilled (prompt + its tokens so far) under the new
            weights and decodes on from its next token (jaxrl.rollout.driver.Resume).
 
-Every token keeps the log-prob and version of the policy that drew it, so the loss's ratio is
+Every token keeps the log-prob and version of the policy that drew it (and, with
+rl.rollout.routes, the MoE experts it was routed to when first fed), so the loss's ratio is
 taken against each token's own behaviour policy (a cross-stage importance ratio), and
 rl.offpolicy's corrections (TIS, MIS, M2PO, decoupled PPO...) apply across the stages. A group
 holding a token more than `max_age` versions older than the weights that would continue it is
@@ -48,11 +49,16 @@ class Member:
   versions: list[int] = dataclasses.field(default_factory=list)
   key: list[int] = dataclasses.field(default_factory=list)  # [2] uint32 key data once started
   reason: str | None = None  # the finish reason; None while in flight
+  routes: list | None = None  # captured MoE routes of every fed position (Completion.routes)
 
   def update(self, c: Completion) -> None:
     self.tokens, self.logprobs = c.tokens.tolist(), c.logprobs.tolist()
     self.versions, self.key = c.versions.tolist(), c.key.tolist()
+    self.routes = None if c.routes is None else c.routes.tolist()
     self.reason = None if c.finish_reason == "abort" else c.finish_reason
+
+  def route_array(self) -> np.ndarray | None:
+    return None if self.routes is None else np.asarray(self.routes, np.int32)
 
 
 @dataclasses.dataclass
@@ -166,7 +172,7 @@ class PartialRollouts:
         continue
       for j, m in enumerate(group.members):
         if m.reason is None:
-          resume = Resume(m.tokens, m.logprobs, m.versions, m.key)
+          resume = Resume(m.tokens, m.logprobs, m.versions, m.key, m.route_array())
           requests.append(Request(prompt, group.uid * g + j, resume=resume, **common))
           resumed += 1
     return requests, resumed
@@ -183,6 +189,7 @@ class PartialRollouts:
       policy_version=max(m.versions),
       versions=np.asarray(m.versions, np.int32),
       key=np.asarray(m.key, np.uint32),
+      routes=m.route_array(),
     )
 
   # ---------------------------------------------------------------------------- checkpoints

@@ -82,6 +82,11 @@ class Run:
             f"config.{name}={coef} is invalid; allowed: 0 for a dense model (this model has no "
             "MoE layers)"
           )
+      if rl.rollout.routes != "none":
+        raise ConfigError(
+          f"config.rl.rollout.routes={rl.rollout.routes!r} is invalid; allowed: 'none' for a "
+          "dense model (this model has no MoE layers to route)"
+        )
     workdir = Path(cfg.workdir)
     task = components.build_task(cfg.task, workdir, seed=cfg.seed)
     pool = None

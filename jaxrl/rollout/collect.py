@@ -39,9 +39,11 @@ def left_pad(seqs: list[list[int]], length: int, pad_id: int, *, what: str = "pr
 
 
 def to_rollout(
-  completions: Sequence[Completion], *, prompt_len: int, max_new_tokens: int, pad_id: int
-) -> Rollout:
-  """Pack completions (in the order given) into numpy `Rollout` arrays."""
+  completions: Sequence[Completion], *, prompt_len: int, max_new_tokens: int, pad_id: int,
+  num_experts: int = 32767,
+) -> Rollout:  # fmt: skip
+  """Pack completions (in the order given) into numpy `Rollout` arrays (`num_experts` sizes the
+  integer type of captured routes, if any)."""
   prompt_tokens, prompt_mask = left_pad(
     [list(c.prompt_tokens) for c in completions], prompt_len, pad_id
   )
@@ -58,6 +60,9 @@ def to_rollout(
     versions[i, :k] = c.versions
   lengths = mask.sum(axis=1).astype(np.int32)
   reason = np.array([FINISH_REASONS.index(c.finish_reason) for c in completions], np.int32)
+  routes = None
+  if b and completions[0].routes is not None:
+    routes = pack_routes(completions, prompt_len, n, num_experts)
   # Truncated = stopped by the length budget (or aborted), not by a stop token or string.
   truncated = np.array([c.finish_reason in ("length", "abort") for c in completions], bool)
   return Rollout(
@@ -70,7 +75,32 @@ def to_rollout(
     lengths=lengths,
     truncated=truncated,
     finish_reason=reason.reshape(b),
+    routes=routes,
   )
+
+
+def pack_routes(
+  completions: Sequence[Completion], prompt_len: int, max_new_tokens: int, num_experts: int
+) -> np.ndarray:
+  """Completions' captured routes ([P_i + N_i - 1, L, k] each) as [B, prompt_len +
+  max_new_tokens, L, k], aligned with the left-padded prompt and the completion; -1 elsewhere.
+  Expert ids of up to 128 experts fit int8 (int16 beyond): a rollout's routes take L * k bytes
+  per token, not L * k int32s."""
+  shape = completions[0].routes.shape[1:]
+  dtype = np.int8 if num_experts <= 128 else np.int16
+  out = np.full((len(completions), prompt_len + max_new_tokens, *shape), -1, dtype)
+  for i, c in enumerate(completions):
+    if c.routes is None or c.routes.shape[1:] != shape:
+      raise ValueError(f"completion {c.request_id} has no routes of shape [*, {shape}]")
+    p = len(c.prompt_tokens)
+    fed = len(c.routes)
+    if fed != p + len(c.tokens) - 1:
+      raise ValueError(
+        f"completion {c.request_id}: {fed} routes for {p} prompt and {len(c.tokens)} completion "
+        "tokens (one per fed position expected)"
+      )
+    out[i, prompt_len - p : prompt_len - p + fed] = c.routes
+  return out
 
 
 class GroupSampler:
@@ -81,7 +111,9 @@ class GroupSampler:
   groups and refills slots as sequences finish. Request ids are `prompt index * G + sample`, and
   the driver seeds each request from (seed, request id): the samples do not depend on slot
   placement, on `max_concurrent_decodes` or on the page budget. `resumable` sizes the engine's
-  prefill for partial sequences resumed with their completion so far (jaxrl.rl.partial).
+  prefill for partial sequences resumed with their completion so far (jaxrl.rl.partial);
+  `capture_routes` (MoE) has each rollout carry the experts the sampler routed every position to
+  (`Rollout.routes`), for routing replay in the learner.
   """
 
   def __init__(
@@ -103,6 +135,7 @@ class GroupSampler:
     mesh=None,
     rules: Rules | str = "fsdp_tp",
     resumable: bool = False,
+    capture_routes: bool = False,
   ):
     self.prompt_len, self.max_new_tokens, self.pad_id = prompt_len, max_new_tokens, pad_id
     self.sampling = sampling
@@ -122,6 +155,7 @@ class GroupSampler:
       tokenizer=tokenizer,
       mesh=mesh,
       rules=rules,
+      capture_routes=capture_routes,
     )
     self.driver = Driver(
       self.engine, steps_per_call=steps_per_call, eos_id=eos_ids[0], batching=batching
@@ -205,4 +239,5 @@ class GroupSampler:
       prompt_len=self.prompt_len,
       max_new_tokens=self.max_new_tokens,
       pad_id=self.pad_id,
+      num_experts=self.engine.cfg.num_experts,
     )

@@ -41,12 +41,16 @@ BATCHING_MODES = ("continuous", "static")
 class Resume:
   """What a sequence produced before it was aborted: its completion tokens so far, their
   behaviour log-probs and the policy version that drew each, and its PRNG key data [2] (uint32):
-  the sampling state, so the resumed sequence draws token i with fold_in(key, i) as before."""
+  the sampling state, so the resumed sequence draws token i with fold_in(key, i) as before.
+  `routes` (captured MoE routes, `Completion.routes`) are the experts of every position the
+  sampler fed so far: they are kept, and the re-prefill's routes of those positions dropped, so a
+  position's route is always the one recorded when it was first fed, as its log-prob is."""
 
   tokens: Sequence[int]
   logprobs: Sequence[float]
   versions: Sequence[int]
   key: Sequence[int]
+  routes: np.ndarray | None = None  # [P + n - 1, L, k]
 
   def __post_init__(self):
     n = len(self.tokens)
@@ -110,6 +114,9 @@ class Completion:
   policy_version: int  # the version of the run that ended it
   versions: np.ndarray  # [N] int32 the policy version that drew each token
   key: np.ndarray  # [2] uint32 its PRNG key data (resume it with `Request.resume`)
+  # [P + N - 1, L, k] int32 with an engine that captures routes: the experts of every position
+  # the sampler fed (the prompt, then each completion token but the last, never fed); else None.
+  routes: np.ndarray | None = None
 
 
 @dataclasses.dataclass
@@ -143,6 +150,7 @@ class _Live:
   logprobs: list = dataclasses.field(default_factory=list)
   versions: list = dataclasses.field(default_factory=list)
   key: np.ndarray | None = None
+  routes: list | None = None  # [L, k] per fed position (captured routes only)
 
   def __post_init__(self):
     if self.request.resume is not None:
@@ -351,8 +359,11 @@ class Driver:
       """Start each (unit, request, sample row of the prefill) from its first token: retire it
       at once if that token ends it, else give it a slot; one insert for them all."""
       slots, samples = [], []
+      routes = None if batch.routes is None else np.asarray(batch.routes)
       for u, r, j in members:
         seq = _Live(r, u, key=np.asarray(batch.keys[j]))  # a resumed one's own key
+        if routes is not None:
+          seq.routes = self._prefill_routes(r, routes[batch.group[j]] if batched else routes)
         d = first.get_result_at_slot(j)
         seq.tokens.append(int(d.tokens[0]))
         seq.logprobs.append(float(d.log_prob[0]))
@@ -386,6 +397,8 @@ class Driver:
         if seq.request.request_id != owner_ids[slot]:
           continue  # retired since this call was dispatched: its late tokens are dropped
         for i in np.flatnonzero(valid[:, slot]):
+          if seq.routes is not None:
+            seq.routes.append(d.routes[i, slot])  # of the token fed at this step
           seq.tokens.append(tokens[i][slot])
           seq.logprobs.append(logp[i][slot])
           seq.versions.append(policy_version)
@@ -494,6 +507,22 @@ class Driver:
         raise ValueError(f"request {r0.request_id} has stop_strings but no tokenizer was given")
     return out
 
+  @staticmethod
+  def _prefill_routes(req: Request, routes: np.ndarray) -> list:
+    """A sequence's routes once prefilled, from its prefill's [T, L, k]: every prefilled
+    position's; for a resumed one with recorded routes, those, and the prefill's for the one
+    position it feeds for the first time (its last token so far)."""
+    n = len(req.prefill_tokens)
+    recorded = None if req.resume is None else req.resume.routes
+    if recorded is None:
+      return list(routes[:n])
+    if len(recorded) != n - 1:
+      raise ValueError(
+        f"request {req.request_id} resumes with routes for {len(recorded)} positions; its "
+        f"prompt and {len(req.resume.tokens)} tokens so far need {n - 1}"
+      )
+    return list(recorded) + [routes[n - 1]]
+
   def _stop_ids(self, req: Request) -> tuple[int, ...]:
     ids = tuple(req.stop_token_ids)
     return ids + (self.eos_id,) if self.eos_id is not None else ids
@@ -527,4 +556,5 @@ class Driver:
       policy_version=version,
       versions=np.asarray(seq.versions, np.int32),
       key=np.asarray(seq.key, np.uint32),
+      routes=None if seq.routes is None else np.asarray(seq.routes, np.int32),
     )

@@ -33,7 +33,7 @@ from jax.sharding import PartitionSpec as P
 from jaxrl.kernels.paged_attention import PagedKV, write_kv
 from jaxrl.mesh import Rules, named_sharding
 from jaxrl.models.config import ModelConfig
-from jaxrl.models.transformer import apply, init_cache, make_model
+from jaxrl.models.transformer import apply, apply_with_routing, init_cache, make_model
 from jaxrl.rollout.kv_cache import OutOfPages, PageAllocator, init_pages, pages_for, table_row
 from jaxrl.rollout.sampling import RowSampling, SamplingParams, sample_rows
 
@@ -69,6 +69,9 @@ class SlotData(NamedTuple):
   valid: np.ndarray  # [..., 1] bool: a token was produced for this slot at this step
   lengths: np.ndarray  # [...] int32: tokens generated so far, this one included
   log_prob: np.ndarray  # [..., 1] float32 behaviour log-prob of the token
+  # [..., L, k] int32 experts each MoE layer chose for the token FED at this step (the previous
+  # one), with Engine(capture_routes=True); None otherwise.
+  routes: np.ndarray | None = None
 
 
 @dataclasses.dataclass
@@ -76,7 +79,8 @@ class ResultTokens:
   """Every slot's token, validity, length, done flag and log-prob in ONE int32 array.
 
   data: [B, 5] (one step) or [steps, B, 5]; the log-prob column holds float32 bits, so one
-  device->host copy carries everything the host loop needs.
+  device->host copy carries everything the host loop needs. With captured routes (`routes_shape`
+  = (L, k)) L * k more columns hold the experts of the token each slot fed.
   """
 
   data: jax.Array | np.ndarray
@@ -86,6 +90,7 @@ class ResultTokens:
   done_idx: tuple[int, int] = (3, 4)  # the slot finished (stop token / max tokens) at this token
   log_prob_idx: tuple[int, int] = (4, 5)
   samples_per_slot: int = 1
+  routes_shape: tuple[int, int] | None = None  # (L, k): columns 5 .. 5 + L * k
 
   def copy_to_host_async(self) -> None:
     if isinstance(self.data, jax.Array):
@@ -96,11 +101,16 @@ class ResultTokens:
 
   def get_result_at_slot(self, slot: int) -> SlotData:
     d = np.asarray(self.data)[..., slot, :]
+    routes = None
+    if self.routes_shape is not None:
+      width = self.routes_shape[0] * self.routes_shape[1]
+      routes = d[..., 5 : 5 + width].reshape(*d.shape[:-1], *self.routes_shape)
     return SlotData(
       tokens=d[..., slice(*self.tokens_idx)],
       valid=d[..., slice(*self.valid_idx)].astype(bool),
       lengths=d[..., self.length_idx[0]],
       log_prob=np.ascontiguousarray(d[..., slice(*self.log_prob_idx)]).view(np.float32),
+      routes=routes,
     )
 
   def all_slots(self) -> SlotData:
@@ -130,6 +140,7 @@ class Prefix(NamedTuple):
   max_new_tokens: int
   stop_ids: np.ndarray  # [MAX_STOP_TOKENS] int32, -1 = unused
   first_index: np.ndarray  # [G] int32 index of the first token in each sample's key stream
+  routes: np.ndarray | None = None  # [length, L, k] int32 experts of each prompt position
 
 
 class PrefillBatch(NamedTuple):
@@ -147,6 +158,7 @@ class PrefillBatch(NamedTuple):
   stop_ids: np.ndarray  # [K, MAX_STOP_TOKENS] int32, -1 = unused
   num_samples: tuple  # [K] samples per prompt
   first_index: np.ndarray  # [Nb] int32 index of the first token in each sample's key stream
+  routes: jax.Array | None = None  # [Kb, T, L, k] int32 experts of each prompt position
 
 
 class DecodeState(NamedTuple):
@@ -185,6 +197,8 @@ class Engine:
     seed: default seed of request keys when `prefill` is called without `rng`.
     mesh, rules: where the params live (the learner's mesh) and its logical-axis rules, which
       place the KV pages and caches; None: the default device, as plain jnp arrays.
+    capture_routes: (MoE models) return the top-k experts every layer chose for every prompt
+      position (prefill) and every fed token (decode), for routing replay in the learner.
   """
 
   def __init__(
@@ -202,7 +216,10 @@ class Engine:
     seed: int = 0,
     mesh: jax.sharding.Mesh | None = None,
     rules: Rules | str = "fsdp_tp",
+    capture_routes: bool = False,
   ):
+    if capture_routes and not cfg.num_experts:
+      raise ValueError("engine capture_routes=True needs an MoE model (model.num_experts > 0)")
     for name, value in (
       ("max_concurrent_decodes", max_concurrent_decodes),
       ("num_pages", num_pages),
@@ -230,6 +247,7 @@ class Engine:
         f"{MIN_PREFILL_BUCKET}"
       )
     self.cfg, self.graphdef = cfg, graphdef
+    self.routes_shape = (cfg.num_layers, cfg.experts_per_token) if capture_routes else None
     self._slots = max_concurrent_decodes
     self.num_pages, self.page_size = num_pages, page_size
     self._max_prefill = max_prefill_length
@@ -257,7 +275,7 @@ class Engine:
       self._prefill_fn,
       donate_argnums=1,
       static_argnames="capacity",
-      **pin((kv, rep, rep, rep)),
+      **pin((kv, rep, rep, rep, rep)),
     )
     self._insert_jit = jax.jit(self._insert_fn, donate_argnums=0, **pin(st))
     self._generate_jit = jax.jit(self._generate_fn, donate_argnums=1, **pin((st, rep)))
@@ -437,7 +455,7 @@ class Engine:
       if self._mesh is not None:  # a no-op for a cache already so placed (every one made here)
         cache = jax.device_put(cache, self.kv_sharding)
     rows = RowSampling.stack(samplers)
-    cache, first, logp, data = self._prefill_jit(
+    cache, first, logp, data, routes = self._prefill_jit(
       params,
       cache,
       tokens[None],
@@ -453,7 +471,11 @@ class Engine:
     )
     self.stats["prefill_calls"] += 1
     self.stats["prefill_tokens"] += t
-    prefix = Prefix(cache, total, first, logp, keys, rows, max_new, stop_ids, first_index)
+    if routes is not None:  # this chunk's positions after the earlier chunks'
+      routes = np.asarray(routes)[0, :true_length]
+      if existing_prefix is not None and existing_prefix.routes is not None:
+        routes = np.concatenate([existing_prefix.routes, routes])
+    prefix = Prefix(cache, total, first, logp, keys, rows, max_new, stop_ids, first_index, routes)
     return prefix, ResultTokens(data, samples_per_slot=num_samples)
 
   def prefill_prompt(self, params, prompt: Sequence[int], **kw) -> tuple[Prefix, ResultTokens]:
@@ -544,7 +566,7 @@ class Engine:
     stop[:k] = [_stop_array(ids) for ids in stop_token_ids]
     max_new = np.ones(kb, np.int32)
     max_new[:k] = max_new_tokens
-    cache, first, logp, data = self._prefill_jit(
+    cache, first, logp, data, routes = self._prefill_jit(
       params,
       None,
       tokens,
@@ -562,7 +584,7 @@ class Engine:
     self.stats["prefill_tokens"] += int(k * width)
     batch = PrefillBatch(
       cache, lengths, first, logp, keys, rows, group[:n], max_new[:k], stop[:k], tuple(counts),
-      index,
+      index, routes,
     )  # fmt: skip
     return batch, ResultTokens(data[:n], samples_per_slot=n)
 
@@ -598,20 +620,24 @@ class Engine:
     s, t = cache[0][0].shape[1], tokens.shape[1]
     positions = start + jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), tokens.shape)
     kv_valid = jnp.arange(s)[None] < (start + true_len)[:, None]
-    logits, cache = apply(
-      self.graphdef,
-      params,
-      tokens,
-      positions,
-      kv_valid,
-      cache=cache,
-      cache_index=start,
-      logits_at=true_len - 1,
+    logits, cache, routes = self._forward(
+      params, tokens, positions, kv_valid, cache=cache, cache_index=start, logits_at=true_len - 1
     )
+    if routes is not None:
+      routes = jnp.moveaxis(routes, 0, 2)  # [K, T, L, k]
     n = keys.shape[0]
     first, logp = sample_rows(logits[group], _step_keys(keys, index), rows)
     done = jnp.any(first[:, None] == stop_ids[group], -1) | (max_new[group] <= 1)
-    return cache, first, logp, _pack(first, jnp.ones(n, bool), jnp.ones(n, jnp.int32), done, logp)
+    data = _pack(first, jnp.ones(n, bool), jnp.ones(n, jnp.int32), done, logp)
+    return cache, first, logp, data, routes
+
+  def _forward(self, params, *args, **kwargs):
+    """The model's forward, with each MoE layer's top-k experts ([L, B, T, k] int32) when the
+    engine captures routes, else None: (logits, cache, routes)."""
+    if self.routes_shape is None:
+      return (*apply(self.graphdef, params, *args, **kwargs), None)
+    logits, cache, routing = apply_with_routing(self.graphdef, params, *args, **kwargs)
+    return logits, cache, routing["experts"]
 
   # --- decode state, insert, free -----------------------------------------------------------
   def init_decode_state(self) -> DecodeState:
@@ -839,7 +865,7 @@ class Engine:
     self.stats["generate_calls"] += 1
     self.stats["decode_steps"] += 1
     st, data = self._generate_jit(params, decode_state)
-    return st, ResultTokens(data)
+    return st, ResultTokens(data, routes_shape=self.routes_shape)
 
   def generate_steps(self, params, decode_state: DecodeState, num_steps: int):
     """Up to `num_steps` decode steps in one jitted call: ResultTokens [num_steps, B, 5].
@@ -852,7 +878,7 @@ class Engine:
     self.stats["generate_calls"] += 1
     self.stats["decode_steps"] += num_steps
     st, data = self._generate_steps_jit(params, decode_state, num_steps)
-    return st, ResultTokens(data)
+    return st, ResultTokens(data, routes_shape=self.routes_shape)
 
   def _generate_fn(self, params, st: DecodeState, num_steps: int | None = None):
     if num_steps is None:
@@ -867,7 +893,8 @@ class Engine:
       st, data = self._decode_step(params, st)
       return i + 1, st, jax.lax.dynamic_update_index_in_dim(out, data, i, 0)
 
-    out = jnp.zeros((num_steps, b, 5), jnp.int32)  # valid = 0 in every row not written
+    width = 5 if self.routes_shape is None else 5 + self.routes_shape[0] * self.routes_shape[1]
+    out = jnp.zeros((num_steps, b, width), jnp.int32)  # valid = 0 in every row not written
     carry = (jnp.int32(0), st, out)
     _, st, out = jax.lax.while_loop(
       lambda c: (c[0] < num_steps) & jnp.any(c[1].active), body, carry
@@ -880,8 +907,7 @@ class Engine:
     cache = tuple(
       PagedKV(k, v, st.page_table, write_len) for k, v in zip(st.k_pages, st.v_pages, strict=True)
     )
-    logits, cache = apply(
-      self.graphdef,
+    logits, cache, routes = self._forward(
       params,
       st.tokens[:, None],
       st.lengths[:, None],
@@ -902,7 +928,10 @@ class Engine:
       steps=steps,
       active=produced & ~done,
     )
-    return new, _pack(tok, produced, steps, done, logp)
+    data = _pack(tok, produced, steps, done, logp)
+    if routes is not None:  # [L, B, 1, k] -> [B, L * k]: the fed token's experts
+      data = jnp.concatenate([data, jnp.moveaxis(routes[:, :, 0], 0, 1).reshape(b, -1)], axis=1)
+    return new, data
 
 
 def _next_pow2(n: int) -> int:

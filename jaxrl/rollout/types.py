@@ -30,12 +30,16 @@ class Rollout(NamedTuple):
   lengths: jax.Array  # [B] int32 completion lengths (incl. the stop token)
   truncated: jax.Array  # [B] bool: ended by the length budget or aborted, not by a stop
   finish_reason: jax.Array  # [B] int32 index into FINISH_REASONS
+  # [B, P + N, L, k] experts each MoE layer chose at each position of prompt + completion when
+  # the sampler captured them (routing replay), aligned with `TrainBatch.tokens`; -1 where
+  # nothing was fed (padding, the last token). int8 (int16 past 127 experts). None otherwise.
+  routes: jax.Array | None = None
 
 
 def rollout_to_json(rollout: Rollout) -> dict:
   """A host Rollout as JSON-ready values (a checkpoint's meta): float32 values are written as
   the doubles they widen to, so `rollout_from_json` gives them back bit for bit."""
-  arrays = {k: np.asarray(v) for k, v in rollout._asdict().items()}
+  arrays = {k: np.asarray(v) for k, v in rollout._asdict().items() if v is not None}
   return {
     "arrays": {k: v.tolist() for k, v in arrays.items()},
     "dtypes": {k: str(v.dtype) for k, v in arrays.items()},
