@@ -51,6 +51,11 @@ class MeshConfig:
   data: int = _field(1, help="-1 = all remaining devices")
   fsdp: int = _field(-1, help="devices the params are sharded over (-1 = all remaining)")
   tensor: int = _field(1, help="devices each matmul is split over (heads, MLP columns)")
+  expert: int = _field(
+    1,
+    help="MoE expert parallelism: > 1 adds an 'expert' mesh axis that splits the experts (and "
+    "the batch); tokens go to their experts' devices by all-to-all (jaxrl.models.moe)",
+  )
   rules: str = _field(
     "fsdp_tp",
     choices=("fsdp_tp", "replicated"),
@@ -477,4 +482,5 @@ def validate(cfg) -> Config:
   for name in ("data", "fsdp", "tensor"):
     v = getattr(c.mesh, name)
     check(v == -1 or v >= 1, f"mesh.{name}", v, "-1 (all remaining devices) or >= 1")
+  check(c.mesh.expert >= 1, "mesh.expert", c.mesh.expert, ">= 1 (1: no expert axis)")
   return c

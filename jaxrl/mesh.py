@@ -14,6 +14,12 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 MESH_AXES = ("data", "fsdp", "tensor")
+# A mesh built with expert > 1 has a fourth axis, "expert" (between fsdp and tensor): MoE expert
+# weights split over it and tokens are exchanged over it (expert parallelism,
+# jaxrl.models.moe.moe_dispatch_ep). Rules candidates naming an optional axis the mesh lacks
+# are skipped, so one rules table serves meshes with and without it.
+EXPERT_AXIS = "expert"
+OPTIONAL_AXES = (EXPERT_AXIS,)
 
 # A rules table maps logical axis names to mesh axes: None (replicated), one mesh axis, or a tuple
 # of mesh axes. A name may appear more than once; the first entry that fits is used (see
@@ -27,8 +33,11 @@ RULES: dict[str, Rules] = {
   # FSDP over the model dim, Megatron-style tensor parallelism over heads / mlp / vocab. With
   # tensor=1 this is plain FSDP; with fsdp=1 plain tensor parallelism. MoE expert weights
   # [E, D, F] are stored split over experts on fsdp (so embed, listed later, stays whole there);
-  # where E does not divide by fsdp they fall back to embed over fsdp like a dense MLP.
+  # where E does not divide by fsdp they fall back to embed over fsdp like a dense MLP. On a mesh
+  # with an expert axis the experts split over expert (x fsdp where that divides), and the batch
+  # over expert too: expert-parallel devices are data-parallel for everything but the experts.
   "fsdp_tp": (
+    ("batch", (*_BATCH, EXPERT_AXIS)),
     ("batch", _BATCH),
     ("vocab", "tensor"),
     ("embed", "fsdp"),
@@ -37,6 +46,8 @@ RULES: dict[str, Rules] = {
     ("mlp", "tensor"),
     ("head_dim", None),
     ("norm", None),
+    ("experts", (EXPERT_AXIS, "fsdp")),
+    ("experts", EXPERT_AXIS),
     ("experts", "fsdp"),
     ("lora", None),  # the LoRA rank: small, so every shard holds all of it
     ("layers", None),
@@ -50,6 +61,7 @@ RULES: dict[str, Rules] = {
   ),
   # Every weight on every device; only the batch is split (pure data parallelism).
   "replicated": (
+    ("batch", (*_BATCH, EXPERT_AXIS)),
     ("batch", _BATCH),
     ("vocab", None),
     ("embed", None),
@@ -84,12 +96,22 @@ def _as_rules(rules: Rules | str) -> Rules:
 
 
 def make_mesh(
-  data: int = 1, fsdp: int = -1, tensor: int = 1, *, devices: Sequence[Any] | None = None
+  data: int = 1,
+  fsdp: int = -1,
+  tensor: int = 1,
+  *,
+  expert: int = 1,
+  devices: Sequence[Any] | None = None,
 ) -> Mesh:
-  """Builds a ('data', 'fsdp', 'tensor') mesh; one size may be -1, meaning all remaining devices."""
+  """Builds a ('data', 'fsdp', 'tensor') mesh, or ('data', 'fsdp', 'expert', 'tensor') with
+  expert > 1; one size may be -1, meaning all remaining devices."""
   devices = list(jax.devices() if devices is None else devices)
   n = len(devices)
+  if not isinstance(expert, int) or expert < 1:
+    raise ValueError(f"mesh.expert={expert!r} must be a positive integer; there are {n} devices")
   sizes = {"data": data, "fsdp": fsdp, "tensor": tensor}
+  if expert > 1:
+    sizes = {"data": data, "fsdp": fsdp, EXPERT_AXIS: expert, "tensor": tensor}
   for name, size in sizes.items():
     if not isinstance(size, int) or (size < 1 and size != -1):
       raise ValueError(
@@ -116,8 +138,8 @@ def make_mesh(
   # propagate shardings from the few constraints we place.
   return jax.make_mesh(
     tuple(sizes.values()),
-    MESH_AXES,
-    axis_types=(AxisType.Auto,) * len(MESH_AXES),
+    tuple(sizes),
+    axis_types=(AxisType.Auto,) * len(sizes),
     devices=devices,
   )
 
@@ -154,6 +176,8 @@ def logical_to_spec(
   For each dim, the first rules entry for its name whose mesh axes are all unused by earlier dims
   (and, given `shape` and `mesh`, divide the dim) wins; if none fits the dim is replicated. Each dim
   that loses its first choice this way is described in `fallbacks`, when a list is passed.
+  Candidates naming an optional axis (`OPTIONAL_AXES`) the mesh lacks (or any, without a mesh)
+  are skipped silently: they are for meshes that have it.
   """
   rules = _as_rules(rules)
   if shape is not None and len(shape) != len(axes):
@@ -172,8 +196,12 @@ def logical_to_spec(
     chosen: tuple[str, ...] = ()
     reasons = []
     for cand in candidates:
+      if mesh_sizes is None and set(cand) & set(OPTIONAL_AXES):
+        continue  # no mesh given: the layout of a mesh without the optional axes
       if mesh_sizes is not None:
         missing = [a for a in cand if a not in mesh_sizes]
+        if missing and all(a in OPTIONAL_AXES for a in missing):
+          continue  # e.g. "expert" on a mesh built without expert parallelism
         if missing:
           raise ValueError(
             f"logical axis {name!r} maps to mesh axes {missing} not in the mesh {tuple(mesh_sizes)}"

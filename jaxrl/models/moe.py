@@ -3,10 +3,14 @@ router z-losses."""
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
+from jaxrl.mesh import EXPERT_AXIS
 from jaxrl.models.config import ModelConfig
 from jaxrl.models.linear import param
 
@@ -82,6 +86,72 @@ def moe_dispatch(x, weights, experts, gate, up, down) -> jax.Array:
   y = y.reshape(*lead, k, d).astype(jnp.float32)
   out = jnp.sum(y * weights[..., None].astype(jnp.float32), axis=-2)
   return out.astype(x.dtype)
+
+
+def expert_parallel_size(mesh=None) -> int:
+  """The size of the context mesh's expert axis (1 without one, or outside a mesh)."""
+  mesh = jax.sharding.get_abstract_mesh() if mesh is None else mesh
+  if mesh.empty or EXPERT_AXIS not in mesh.axis_names:
+    return 1
+  return dict(mesh.shape)[EXPERT_AXIS]
+
+
+def moe_dispatch_ep(x, weights, experts, gate, up, down) -> jax.Array:
+  """`moe_dispatch` with expert parallelism over the context mesh's expert axis (shard_map).
+
+  Each device holds E / n of the experts (n = the expert axis size) and a 1 / (data * fsdp * n)
+  share of the tokens. It sends each of its token-expert assignments to the device holding that
+  expert with one all-to-all over the expert axis, runs the rows it receives through its local
+  experts (grouped, `jax.lax.ragged_dot`), sends the results back with a second all-to-all and
+  sums each token's k results with its gate weights. Dropless: every destination gets a buffer
+  with room for all of a device's assignments, so nothing is dropped however unbalanced the
+  routing, at the price of n times the assignment rows in the exchange buffers (a ragged
+  all-to-all would send only what is routed). Same arguments and result as `moe_dispatch`;
+  differentiable (the all-to-alls transpose to all-to-alls).
+  """
+  mesh = jax.sharding.get_abstract_mesh()
+  n = expert_parallel_size(mesh)
+  e = gate.shape[0]
+  if e % n:
+    raise ValueError(f"expert parallelism over {n} devices needs E={e} divisible by it")
+  lead, d = x.shape[:-1], x.shape[-1]
+  k = experts.shape[-1]
+  rows = [a for a in ("data", "fsdp", EXPERT_AXIS) if a in mesh.axis_names]
+  ways = math.prod(dict(mesh.shape)[a] for a in rows)
+  tok, w, ex = x.reshape(-1, d), weights.reshape(-1, k), experts.reshape(-1, k)
+  m = tok.shape[0]
+  pad = -m % ways  # padding tokens route to expert 0 with weight 0
+  if pad:
+    tok = jnp.pad(tok, ((0, pad), (0, 0)))
+    w, ex = jnp.pad(w, ((0, pad), (0, 0))), jnp.pad(ex, ((0, pad), (0, 0)))
+  local_e = e // n
+
+  def local(tok, w, ex, gate, up, down):
+    r = tok.shape[0] * k  # this device's assignments
+    flat = ex.reshape(-1)
+    dest, slot = flat // local_e, jnp.arange(r)
+    send = jnp.zeros((n, r, d), tok.dtype).at[dest, slot].set(tok[slot // k])
+    send_e = jnp.full((n, r), local_e, jnp.int32).at[dest, slot].set(flat % local_e)
+    recv = jax.lax.all_to_all(send, EXPERT_AXIS, 0, 0)  # recv[i]: what device i sent here
+    recv_e = jax.lax.all_to_all(send_e, EXPERT_AXIS, 0, 0).reshape(-1)  # local_e = empty slot
+    order = jnp.argsort(recv_e, stable=True)  # empty slots (id local_e) sort last
+    sizes = jnp.bincount(recv_e, length=local_e + 1)[:local_e].astype(jnp.int32)
+    y = _swiglu_ragged(
+      recv.reshape(-1, d)[order], *(a.astype(tok.dtype) for a in (gate, up, down)), sizes
+    )
+    y = jnp.zeros_like(y).at[order].set(y).reshape(n, r, d)  # rows past the groups are 0
+    back = jax.lax.all_to_all(y, EXPERT_AXIS, 0, 0)  # back[i]: my rows, done by device i
+    mine = back[dest, slot].reshape(-1, k, d).astype(jnp.float32)
+    return jnp.sum(mine * w[..., None].astype(jnp.float32), axis=1).astype(tok.dtype)
+
+  spec = P(tuple(rows))
+  out = jax.shard_map(
+    local,
+    in_specs=(spec, spec, spec, P(EXPERT_AXIS), P(EXPERT_AXIS), P(EXPERT_AXIS)),
+    out_specs=spec,
+    check_vma=False,
+  )(tok, w, ex, gate, up, down)
+  return out[:m].reshape(*lead, d)
 
 
 def moe_dense_reference(x, weights, experts, gate, up, down) -> jax.Array:
@@ -162,4 +232,7 @@ class MoEMLP(nnx.Module):
       self.sow(Routing, "routing", (experts, logits.astype(jnp.float32)))
     if routes is not None:
       weights, experts = replay_route(logits, routes, self.top_k, self.renormalize)
-    return moe_dispatch(x, weights, experts, self.gate[...], self.up[...], self.down[...])
+    # On a mesh with an expert axis, tokens travel to their experts' devices (all-to-all);
+    # elsewhere every device runs the experts it is handed (GSPMD gathers what it lacks).
+    dispatch = moe_dispatch_ep if expert_parallel_size() > 1 else moe_dispatch
+    return dispatch(x, weights, experts, self.gate[...], self.up[...], self.down[...])

@@ -61,7 +61,9 @@ class Run:
       # weights and splits its rows over all of its devices (decode reads every weight).
       devices, sampler_devices = split_devices(devices, cfg.rl.placement.sampler_fraction)
       sampler_mesh = make_mesh(data=-1, fsdp=1, tensor=1, devices=sampler_devices)
-    mesh = make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor, devices=devices)
+    mesh = make_mesh(
+      cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor, expert=cfg.mesh.expert, devices=devices
+    )
     rules = get_rules(cfg.mesh.rules)
     model_cfg, graphdef, params = components.build_model(cfg.model, tok, mesh, rules, seed=cfg.seed)
     rl = cfg.rl
@@ -69,6 +71,11 @@ class Run:
       raise ConfigError(
         f"config.rl.max_prompt_len + config.rl.max_new_tokens = {rl.max_prompt_len} + "
         f"{rl.max_new_tokens} exceeds the model's max_seq_len={model_cfg.max_seq_len}"
+      )
+    if model_cfg.num_experts and model_cfg.num_experts % cfg.mesh.expert:
+      raise ConfigError(
+        f"config.mesh.expert={cfg.mesh.expert} is invalid; allowed: a divisor of the model's "
+        f"{model_cfg.num_experts} experts"
       )
     if not model_cfg.num_experts:
       for name, coef in (
@@ -82,6 +89,11 @@ class Run:
             f"config.{name}={coef} is invalid; allowed: 0 for a dense model (this model has no "
             "MoE layers)"
           )
+      if cfg.mesh.expert != 1:
+        raise ConfigError(
+          f"config.mesh.expert={cfg.mesh.expert} is invalid; allowed: 1 for a dense model (this "
+          "model has no experts to split)"
+        )
       if rl.rollout.routes != "none":
         raise ConfigError(
           f"config.rl.rollout.routes={rl.rollout.routes!r} is invalid; allowed: 'none' for a "
