@@ -199,6 +199,13 @@ class RolloutConfig:
     "quantize-dequantize path with straight-through gradients (needs quantize), so the "
     "learner scores tokens with the numerics that drew them",
   )
+  kv_dtype: str = _field(
+    "auto",
+    choices=("auto", "fp8"),
+    help="the engine's KV pages: the compute dtype, or float8_e4m3fn with per-layer, "
+    "per-kv-head scales recalibrated at every step from its first prefill (FP8 rollouts as in "
+    "veRL's FP8 stack); the gap shows in the mismatch metrics",
+  )
   routes: str = _field(
     "none",
     choices=("none", "record", "replay"),

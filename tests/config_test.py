@@ -295,8 +295,8 @@ def test_complete_leaves_a_section_given_as_a_value_for_validate_to_report():
     (
       "rl.rollout.zzz",
       "unknown field config.rl.rollout.zzz; valid fields of config.rl.rollout: batching, "
-      "learner_fake_quant, num_pages, overlap_rewards, page_size, quantize, routes, slots, "
-      "steps_per_call",
+      "kv_dtype, learner_fake_quant, num_pages, overlap_rewards, page_size, quantize, routes, "
+      "slots, steps_per_call",
     ),
     ("nope.x", "unknown field config.nope.x; valid fields of config: checkpoint, distill,"),
   ],

@@ -11,6 +11,11 @@ about a quarter of a small model's decode step on a CPU). It works on every back
 `paged_attention` is the one call site: `impl="pallas_tpu"` runs a Pallas kernel that reads each
 page in place through the page table (`paged_attention_pallas`), `auto` the reference (the
 kernel has not been compiled on a TPU yet; it is tested through the Pallas interpreter).
+
+An fp8 cache (pages of float8_e4m3fn, `PagedKV.k_scale` / `v_scale` per kv head) stores each
+key and value divided by its head's scale, saturated at the format's largest value. Reading it
+costs no dequantized copy: q (k s) = (q s) k, so the queries of each kv head are multiplied by
+its key scale before the scores and the output by its value scale after, on either path.
 """
 
 from __future__ import annotations
@@ -38,6 +43,21 @@ class PagedKV(NamedTuple):
   v_pages: jax.Array  # [K, P, page_size, H]
   page_table: jax.Array  # [B, M] int32, page of each sequence's m-th block of positions
   lengths: jax.Array  # [B] int32: keys [0, lengths) are real once this call's keys are written
+  # fp8 pages: float32 [K] per-kv-head scales (the stored value is x / scale); None otherwise.
+  k_scale: jax.Array | None = None
+  v_scale: jax.Array | None = None
+
+
+FP8_KV_MAX = 448.0  # float8_e4m3fn's largest finite value
+
+
+def quantize_kv(x: jax.Array, scale: jax.Array, axis: int, dtype) -> jax.Array:
+  """x / scale (scale per kv head, x's `axis`), clipped to the fp8 range, as `dtype`: never
+  inf or NaN, however far a value lies past the calibrated range."""
+  shape = [1] * x.ndim
+  shape[axis] = -1
+  scaled = x.astype(jnp.float32) / scale.reshape(shape)
+  return jnp.clip(scaled, -FP8_KV_MAX, FP8_KV_MAX).astype(dtype)
 
 
 def write_kv(cache: PagedKV, k: jax.Array, v: jax.Array, positions: jax.Array) -> PagedKV:
@@ -54,10 +74,14 @@ def write_kv(cache: PagedKV, k: jax.Array, v: jax.Array, positions: jax.Array) -
   page = jnp.where(ok, page, num_pages)  # an out-of-range page index: mode="drop" skips it
   offset = positions % page_size
 
-  def put(pages, x):  # x [B, T, K, H] -> pages[:, page, offset] of shape [K, B, T, H]
-    return pages.at[:, page, offset].set(jnp.moveaxis(x, 2, 0).astype(pages.dtype), mode="drop")
+  def put(pages, x, scale):  # x [B, T, K, H] -> pages[:, page, offset] of shape [K, B, T, H]
+    x = jnp.moveaxis(x, 2, 0)
+    x = x.astype(pages.dtype) if scale is None else quantize_kv(x, scale, 0, pages.dtype)
+    return pages.at[:, page, offset].set(x, mode="drop")
 
-  return cache._replace(k_pages=put(cache.k_pages, k), v_pages=put(cache.v_pages, v))
+  return cache._replace(
+    k_pages=put(cache.k_pages, k, cache.k_scale), v_pages=put(cache.v_pages, v, cache.v_scale)
+  )
 
 
 def paged_attention(
@@ -81,6 +105,20 @@ def paged_attention(
     raise ValueError(f"paged attention impl={impl!r}; allowed: {IMPLS}")
   if window is not None and window <= 0:
     raise ValueError(f"paged attention window={window} must be a positive int (or None)")
+  if cache.k_scale is not None:  # fp8 pages: fold each head's scales into q and the output
+    kh, n = cache.k_pages.shape[0], q.shape[2]
+    per_head = lambda s: jnp.repeat(s, n // kh).astype(q.dtype)[:, None]  # noqa: E731 [N, 1]
+    out = paged_attention(
+      q * per_head(cache.k_scale),
+      cache._replace(k_scale=None, v_scale=None),
+      q_positions,
+      window=window,
+      soft_cap=soft_cap,
+      scale=scale,
+      impl=impl,
+      interpret=interpret,
+    )
+    return out * per_head(cache.v_scale)
   if impl == "pallas_tpu":
     return paged_attention_pallas(
       q, cache, q_positions, window=window, soft_cap=soft_cap, scale=scale, interpret=interpret

@@ -66,6 +66,7 @@ def build_sampler(run: Run, mesh=None) -> GroupSampler:
     rules=run.rules,
     resumable=rl.partial.enabled,
     capture_routes=ro.routes != "none",
+    kv_dtype=ro.kv_dtype,
   )
 
 

@@ -136,6 +136,7 @@ class GroupSampler:
     rules: Rules | str = "fsdp_tp",
     resumable: bool = False,
     capture_routes: bool = False,
+    kv_dtype: str = "auto",
   ):
     self.prompt_len, self.max_new_tokens, self.pad_id = prompt_len, max_new_tokens, pad_id
     self.sampling = sampling
@@ -156,6 +157,7 @@ class GroupSampler:
       mesh=mesh,
       rules=rules,
       capture_routes=capture_routes,
+      kv_dtype=kv_dtype,
     )
     self.driver = Driver(
       self.engine, steps_per_call=steps_per_call, eos_id=eos_ids[0], batching=batching

@@ -218,6 +218,7 @@ class Driver:
     units = self._units(requests)
     if self._state is None:
       self._state = eng.init_decode_state()
+    eng.recalibrate_kv()  # fp8 pages: this run's first prefill sets their scales (no-op else)
     queue = list(range(len(units)))
     unit_left = [len(u) for u in units]
     live: dict[int, _Live] = {}  # slot -> sequence

@@ -30,7 +30,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxrl.kernels.paged_attention import PagedKV, write_kv
+from jaxrl.kernels.paged_attention import FP8_KV_MAX, PagedKV, write_kv
 from jaxrl.mesh import Rules, named_sharding
 from jaxrl.models.config import ModelConfig
 from jaxrl.models.transformer import apply, apply_with_routing, init_cache, make_model
@@ -175,6 +175,11 @@ class DecodeState(NamedTuple):
   stop_ids: jax.Array  # [B, MAX_STOP_TOKENS] int32
   keys: jax.Array  # [B, 2] uint32
   sampling: RowSampling  # [B] arrays
+  k_scale: jax.Array  # [L, K] float32 per-layer, per-kv-head scales of fp8 pages (1: unused)
+  v_scale: jax.Array
+
+
+KV_DTYPES = ("auto", "fp8")
 
 
 def _step_keys(keys, index):
@@ -199,6 +204,12 @@ class Engine:
       place the KV pages and caches; None: the default device, as plain jnp arrays.
     capture_routes: (MoE models) return the top-k experts every layer chose for every prompt
       position (prefill) and every fed token (decode), for routing replay in the learner.
+    kv_dtype: "auto" keeps the pages in the compute dtype; "fp8" stores them as float8_e4m3fn
+      with a scale per layer and kv head, recalibrated at the first insert after
+      `recalibrate_kv()` (the driver calls it at the start of every run, so each RL step's
+      scales fit its weights) from that prefill's keys and values: amax * kv_margin / 448, so
+      decode-time values up to kv_margin times the prompts' largest are kept, larger ones
+      saturate (never inf or NaN). The prefill itself attends in full precision.
   """
 
   def __init__(
@@ -217,7 +228,13 @@ class Engine:
     mesh: jax.sharding.Mesh | None = None,
     rules: Rules | str = "fsdp_tp",
     capture_routes: bool = False,
+    kv_dtype: str = "auto",
+    kv_margin: float = 2.0,
   ):
+    if kv_dtype not in KV_DTYPES:
+      raise ValueError(f"engine kv_dtype={kv_dtype!r}; allowed: {KV_DTYPES}")
+    if not kv_margin >= 1.0:
+      raise ValueError(f"engine kv_margin={kv_margin!r} must be >= 1")
     if capture_routes and not cfg.num_experts:
       raise ValueError("engine capture_routes=True needs an MoE model (model.num_experts > 0)")
     for name, value in (
@@ -247,6 +264,8 @@ class Engine:
         f"{MIN_PREFILL_BUCKET}"
       )
     self.cfg, self.graphdef = cfg, graphdef
+    self.kv_dtype, self.kv_margin = kv_dtype, float(kv_margin)
+    self._calibrate = kv_dtype == "fp8"  # the next insert sets the fp8 scales
     self.routes_shape = (cfg.num_layers, cfg.experts_per_token) if capture_routes else None
     self._slots = max_concurrent_decodes
     self.num_pages, self.page_size = num_pages, page_size
@@ -645,12 +664,17 @@ class Engine:
     self.allocator = PageAllocator(self.num_pages)
     self.slot_pages.clear()
     self._released.clear()
+    self.recalibrate_kv()
     return self._zero_state()
 
   def _zero_state_fn(self) -> DecodeState:
     b, m = self._slots, self.max_pages_per_seq
-    k_pages, v_pages = init_pages(self.cfg, self.num_pages, self.page_size)
+    dtype = jnp.float8_e4m3fn if self.kv_dtype == "fp8" else None
+    k_pages, v_pages = init_pages(self.cfg, self.num_pages, self.page_size, dtype)
+    scales = jnp.ones((self.cfg.num_layers, self.cfg.num_kv_heads), jnp.float32)
     return DecodeState(
+      k_scale=scales,
+      v_scale=scales,
       k_pages=k_pages,
       v_pages=v_pages,
       page_table=jnp.zeros((b, m), jnp.int32),
@@ -668,6 +692,16 @@ class Engine:
         jnp.zeros(b, jnp.float32),
       ),
     )
+
+  def recalibrate_kv(self) -> None:
+    """With fp8 pages: the next insert (the first prefill placed) sets new page scales from its
+    keys and values. Call it only with no sequence in the pages (the driver does, at the start
+    of each run); a no-op for a float cache."""
+    self._calibrate = self.kv_dtype == "fp8"
+
+  def _take_calibration(self) -> np.bool_:
+    calibrate, self._calibrate = self._calibrate, False
+    return np.bool_(calibrate)
 
   def pages_needed(self, prompt_len: int, max_new_tokens: int, num_samples: int = 1) -> int:
     """Pages `bulk_insert` takes for a group: shared full prompt pages once, the rest per sample.
@@ -719,6 +753,7 @@ class Engine:
       np.full(g, prefix.max_new_tokens, np.int32),
       np.broadcast_to(prefix.stop_ids, (g, MAX_STOP_TOKENS)),
       np.asarray(prefix.first_index)[sample_ids],
+      self._take_calibration(),
     )
 
   def insert_batch(
@@ -781,6 +816,7 @@ class Engine:
       max_new,
       stop,
       index,
+      self._take_calibration(),
     )
 
   def _check_slots(self, slots: list[int]) -> None:
@@ -808,18 +844,34 @@ class Engine:
 
   def _insert_fn(
     self, st, cache, slots, row_of, lengths, rows, write_from, samples, first, keys, sampling,
-    max_new, stop, index,
+    max_new, stop, index, calibrate,
   ):  # fmt: skip
     """Slot j <- sample samples[j] of prompt row_of[j] of `cache` (one row per prompt). Slots
     past the engine's count are padding: every per-slot write drops them. The slot's sequence
     has drawn index[j] + 1 tokens of its key stream (the first index[j] end its prompt, for a
-    resumed sequence) and may draw max_new[j] - 1 more."""
+    resumed sequence) and may draw max_new[j] - 1 more. With fp8 pages and `calibrate`, the
+    page scales are first set from these prompts' keys and values."""
     s = cache[0][0].shape[1]
     pos = jnp.arange(s, dtype=jnp.int32)[None]
+    if self.kv_dtype == "fp8":
+      real = (pos < lengths[:, None])[:, :, None, None]  # [G, S, 1, 1]: the prompts' positions
+
+      def fit(x):  # [L, K]: each layer's, each kv head's largest |value|, with the margin
+        amax = jnp.stack([jnp.max(jnp.where(real, jnp.abs(c[row_of]), 0.0), (0, 1, 3)) for c in x])
+        return jnp.maximum(amax.astype(jnp.float32), 1e-6) * (self.kv_margin / FP8_KV_MAX)
+
+      st = st._replace(
+        k_scale=jnp.where(calibrate, fit([ck for ck, _ in cache]), st.k_scale),
+        v_scale=jnp.where(calibrate, fit([cv for _, cv in cache]), st.v_scale),
+      )
     pos = jnp.where(pos >= write_from[:, None], pos, -1)  # [G, S], -1: skipped
     k_pages, v_pages = [], []
-    for (pk, pv), (ck, cv) in zip(zip(st.k_pages, st.v_pages, strict=True), cache, strict=True):
-      paged = write_kv(PagedKV(pk, pv, rows, lengths), ck[row_of], cv[row_of], pos)
+    for i, ((pk, pv), (ck, cv)) in enumerate(
+      zip(zip(st.k_pages, st.v_pages, strict=True), cache, strict=True)
+    ):
+      paged = write_kv(
+        PagedKV(pk, pv, rows, lengths, *self._scales(st, i)), ck[row_of], cv[row_of], pos
+      )
       k_pages.append(paged.k_pages)
       v_pages.append(paged.v_pages)
     tok = first[samples]
@@ -839,6 +891,12 @@ class Engine:
       keys=put(st.keys, keys[samples]),
       sampling=jax.tree.map(lambda a, x: put(a, x[samples]), st.sampling, sampling),
     )
+
+  def _scales(self, st: DecodeState, layer: int) -> tuple:
+    """(k_scale, v_scale) [K] of a layer's fp8 pages, or (None, None) for float pages."""
+    if self.kv_dtype != "fp8":
+      return None, None
+    return st.k_scale[layer], st.v_scale[layer]
 
   def free_resource(self, slot: int) -> None:
     """Release a slot's pages (shared prompt pages lose one reference). The slot stops on the
@@ -905,7 +963,8 @@ class Engine:
     b = st.tokens.shape[0]
     write_len = jnp.where(st.active, st.lengths + 1, 0)  # idle slots write nothing
     cache = tuple(
-      PagedKV(k, v, st.page_table, write_len) for k, v in zip(st.k_pages, st.v_pages, strict=True)
+      PagedKV(k, v, st.page_table, write_len, *self._scales(st, i))
+      for i, (k, v) in enumerate(zip(st.k_pages, st.v_pages, strict=True))
     )
     logits, cache, routes = self._forward(
       params,

@@ -2,6 +2,7 @@
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -131,3 +132,41 @@ def test_pallas_kernel_reads_pages_in_place_like_the_reference(t, window, soft_c
     )
   )
   np.testing.assert_array_equal(again, got)
+
+
+@pytest.mark.parametrize("impl", ["reference", "pallas_tpu"])
+def test_fp8_pages_attend_as_their_dequantized_values(impl):
+  # Pages of float8_e4m3fn with a scale per kv head: attention equals float attention over the
+  # dequantized pages (scale * stored value); the scales fold into q and the output.
+  q, kp, vp, table, lengths, q_pos = _case(4, t=2)
+  k_scale = np.array([0.01, 0.003], np.float32)
+  v_scale = np.array([0.02, 0.005], np.float32)
+  kq = (kp / k_scale[:, None, None, None]).astype(ml_dtypes.float8_e4m3fn)
+  vq = (vp / v_scale[:, None, None, None]).astype(ml_dtypes.float8_e4m3fn)
+  deq = lambda x, s: x.astype(np.float32) * s[:, None, None, None]  # noqa: E731
+  args = (jnp.asarray(table), jnp.asarray(lengths))
+  fp8 = PagedKV(jnp.asarray(kq), jnp.asarray(vq), *args, jnp.asarray(k_scale), jnp.asarray(v_scale))
+  flt = PagedKV(jnp.asarray(deq(kq, k_scale)), jnp.asarray(deq(vq, v_scale)), *args)
+  kw = dict(impl=impl, interpret=impl == "pallas_tpu", soft_cap=2.5)
+  got = paged_attention(jnp.asarray(q), fp8, jnp.asarray(q_pos), **kw)
+  want = paged_attention(jnp.asarray(q), flt, jnp.asarray(q_pos), **kw)
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-6, rtol=1e-5)
+
+
+def test_write_kv_quantizes_fp8_pages_by_their_scales_and_saturates():
+  # e4m3 keeps 3 mantissa bits: x / scale rounds within 2**-4 relative (normal range); a value
+  # past 448 * scale is stored as 448, never inf or NaN.
+  kp = jnp.zeros((K, P, PS, H), jnp.float8_e4m3fn)
+  table = jnp.asarray(np.arange(M, dtype=np.int32)[None])
+  scale = jnp.asarray([0.5, 0.25], jnp.float32)
+  cache = PagedKV(kp, kp, table, jnp.asarray([3], np.int32), scale, scale)
+  rng = np.random.default_rng(5)
+  k = rng.normal(size=(1, 3, K, H)).astype(np.float32) * 10
+  k[0, 2, 1, 0] = 1e6
+  out = write_kv(cache, jnp.asarray(k), jnp.asarray(k), jnp.asarray([[0, 1, 2]], np.int32))
+  stored = np.asarray(out.k_pages[:, 0, :3].astype(jnp.float32))  # [K, 3, H]
+  back = np.moveaxis(stored, 0, 1)[None] * np.asarray(scale)[None, None, :, None]
+  assert np.all(np.isfinite(back)) and back[0, 2, 1, 0] == 448 * 0.25
+  ok = np.abs(k) < 448 * np.asarray(scale)[None, None, :, None] * 0.99
+  big = ok & (np.abs(k) > 2**-6 * np.asarray(scale)[None, None, :, None])  # e4m3 normals
+  np.testing.assert_array_less(np.abs(back - k)[big], np.abs(k)[big] * 2**-4 + 1e-9)

@@ -461,11 +461,13 @@ def test_run_with_offpolicy_corrections_and_dapo_options(tmp_path):
 def test_quantized_rollouts_sample_from_the_quantized_policy_and_report_the_gap(
   tmp_path, mode, fake
 ):
-  """rollout.quantize (int8; fp8 in weight blocks): the engine reads a W8A8 copy of the learner's
-  params made at each step on the learner's mesh (every projection equals quantize_weight of the
-  learner's weight), the sampler-learner gap shows in rl/logprob_gap and the mismatch monitor,
-  and TIS corrects against a recomputed pi_prox."""
+  """rollout.quantize (int8; fp8 in weight blocks, with fp8 KV pages): the engine reads a W8A8
+  copy of the learner's params made at each step on the learner's mesh (every projection equals
+  quantize_weight of the learner's weight), the sampler-learner gap shows in rl/logprob_gap and
+  the mismatch monitor, and TIS corrects against a recomputed pi_prox."""
   rollout = {"quantize": mode, "learner_fake_quant": fake}
+  if mode == "fp8_block":  # veRL's FP8 stack: blockwise fp8 weights and an fp8 KV cache
+    rollout["kv_dtype"] = "fp8"
   # int8 with TIS; fp8 without a correction: the mismatch monitor's forward runs either way.
   offpolicy = {"is_correction": "tis"} if mode == "int8" else {}
   cfg = _config(tmp_path, steps=2, offpolicy=offpolicy, rollout=rollout)
