@@ -8,6 +8,10 @@ Modes (`QUANT_MODES`, config rl.rollout.quantize):
   fp8_block  float8_e4m3fn in 128 x 128 weight blocks and 1 x 128 activation groups (the
              recipe of "DeepSeek-V3 Technical Report", arXiv 2412.19437): an outlier only
              coarsens its own block
+  fp4        (research) microscaled float4_e2m1fn: a scale per 16 consecutive input elements of
+             each weight column and of each activation row, NVFP4's block layout with the
+             scales kept in float32; no backend here has fp4 dots, so both operands are upcast
+             to float32 before the dot (accuracy studies, not speed)
 fp8 values saturate: the scale maps a slice's largest magnitude to the format's largest finite
 value and the scaled values are clipped there before the cast, so no input (however large)
 becomes inf or NaN (a float8_e4m3fn cast of anything past 448 is NaN). fp8 dots run on any
@@ -29,15 +33,17 @@ from flax import nnx
 from jaxrl.kernels.contract import contract
 
 _QMAX = 127.0  # symmetric int8: -128 is never used, so negation stays exact
-QUANT_MODES = ("int8", "fp8", "fp8_e5m2", "fp8_block")
-# mode -> (value dtype, weight block edge; None = per output channel).
+QUANT_MODES = ("int8", "fp8", "fp8_e5m2", "fp8_block", "fp4")
+# mode -> (value dtype, weight block (input edge, output edge); None = per output channel).
 _MODES = {
   "int8": (jnp.int8, None),
   "fp8": (jnp.float8_e4m3fn, None),
   "fp8_e5m2": (jnp.float8_e5m2, None),
-  "fp8_block": (jnp.float8_e4m3fn, 128),
+  "fp8_block": (jnp.float8_e4m3fn, (128, 128)),
+  "fp4": (jnp.float4_e2m1fn, (16, 1)),
 }
 FP8_DTYPES = (jnp.float8_e4m3fn, jnp.float8_e5m2)
+FP4_DTYPES = (jnp.float4_e2m1fn,)
 
 # Dense projection weights by (module, name): the number of leading contracted (input) axes.
 # o [N, H, D] contracts two; q, k, v [D, *, H], gate, up [D, F] and down [F, D] contract one.
@@ -92,13 +98,15 @@ class BlockQArray:
 
 
 def _qmax(dtype) -> float:
-  """The largest magnitude a value of `dtype` holds: 127 (int8, kept symmetric) or the fp8
-  format's largest finite value (448 for e4m3fn, 57344 for e5m2)."""
+  """The largest magnitude a value of `dtype` holds: 127 (int8, kept symmetric) or the float
+  format's largest finite value (448 for e4m3fn, 57344 for e5m2, 6 for e2m1fn)."""
   dtype = jnp.dtype(dtype)
   if dtype == jnp.int8:
     return _QMAX
-  if dtype not in FP8_DTYPES:
-    raise ValueError(f"quantized values must be int8 or one of {FP8_DTYPES}, got {dtype}")
+  if dtype not in FP8_DTYPES + FP4_DTYPES:
+    raise ValueError(
+      f"quantized values must be int8 or one of {FP8_DTYPES + FP4_DTYPES}, got {dtype}"
+    )
   return float(jnp.finfo(dtype).max)
 
 
@@ -325,14 +333,19 @@ def _block_einsum(xs: str, contracted: str, x: jax.Array, q: BlockQArray) -> jax
   xq = _pad_to(xq, 1, bk).reshape(-1, gk, bk)
   wq = _pad_to(_pad_to(q.values.reshape(k, n), 0, bk), 1, bn).reshape(gk, bk, gn * bn)
   acc_type = jnp.int32 if q.values.dtype == jnp.int8 else jnp.float32
+  if q.values.dtype in FP4_DTYPES:  # no fp4 dot on these backends: upcast (exactly) first
+    xq, wq = xq.astype(jnp.float32), wq.astype(jnp.float32)
   part = jnp.einsum("mgk,gkn->mgn", xq, wq, preferred_element_type=acc_type)  # [M, gk, N']
   w_scale = jnp.repeat(q.scale, bn, axis=1)  # [gk, N']
   y = jnp.sum(part.astype(jnp.float32) * x_scale[:, :, None] * w_scale[None], axis=1)
   return y[:, :n].reshape(*lead, *q.shape[n_in:]).astype(x.dtype)
 
 
+FAKE_QUANT_PARTS = ("both", "weights", "activations")
+
+
 @functools.partial(
-  jax.tree_util.register_dataclass, data_fields=("w",), meta_fields=("mode", "in_ndim")
+  jax.tree_util.register_dataclass, data_fields=("w",), meta_fields=("mode", "in_ndim", "part")
 )
 @dataclasses.dataclass(frozen=True)
 class FakeQuant:
@@ -340,27 +353,40 @@ class FakeQuant:
   `quantize_weight` and `quantized_einsum` (weight and activation quant-dequant), with
   straight-through gradients to the float weight and activation (the rounding is treated as the
   identity). Learner-side fake quantization, so the learner scores tokens with the numerics that
-  drew them ("QaRL"/"QUADS"-style quantization-aware RL)."""
+  drew them ("QaRL"/"QUADS"-style quantization-aware RL).
+
+  `part` picks what is rounded: "both" (the sampler's W8A8 path), "weights" (the weight's
+  quant-dequant with float activations: QUADS's asymmetric QAT, "QUADS", for W4A4 rollouts with
+  a BF16 trainer) or "activations" (the activations' quant-dequant, as the sampler groups them,
+  with the float weight): the last two split the sampler's error into its two sources.
+  """
 
   w: jax.Array
   mode: str
   in_ndim: int
+  part: str = "both"
 
   @property
   def shape(self) -> tuple[int, ...]:
     return self.w.shape
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 3, 4))
-def _fake_quant_einsum(eq, x, w, mode, in_ndim):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 3, 4, 5))
+def _fake_quant_einsum(eq, x, w, mode, in_ndim, part="both"):
+  if part == "weights":
+    w_hat = dequantize(quantize_weight(w, in_ndim, mode), x.dtype)
+    return contract(eq, x, w_hat)
+  if part == "activations":
+    return contract(eq, dequantize_activations(eq, x, mode), w.astype(x.dtype))
   return quantized_einsum(eq, x, quantize_weight(w, in_ndim, mode))
 
 
-def _fq_fwd(eq, x, w, mode, in_ndim):
-  return _fake_quant_einsum(eq, x, w, mode, in_ndim), (x, w)
+def _fq_fwd(eq, x, w, mode, in_ndim, part="both"):
+  return _fake_quant_einsum(eq, x, w, mode, in_ndim, part), (x, w)
 
 
-def _fq_bwd(eq, mode, in_ndim, res, dy):
+def _fq_bwd(eq, mode, in_ndim, part, res, dy):
+  del part
   x, w = res
   _, vjp = jax.vjp(lambda x, w: contract(eq, x, w.astype(x.dtype)), x, w)
   return vjp(dy.astype(x.dtype))
@@ -370,16 +396,39 @@ _fake_quant_einsum.defvjp(_fq_fwd, _fq_bwd)
 
 
 def fake_quant_einsum(eq: str, x: jax.Array, fq: FakeQuant) -> jax.Array:
-  """`quantized_einsum(eq, x, quantize_weight(fq.w))` forward; the float einsum's gradient."""
-  return _fake_quant_einsum(eq, x, fq.w, fq.mode, fq.in_ndim)
+  """`quantized_einsum(eq, x, quantize_weight(fq.w))` forward (or only one operand rounded,
+  `FakeQuant.part`); the float einsum's gradient."""
+  return _fake_quant_einsum(eq, x, fq.w, fq.mode, fq.in_ndim, fq.part)
 
 
-def fake_quant_params(params: nnx.State, mode: str) -> nnx.State:
+def dequantize_activations(eq: str, x: jax.Array, mode: str) -> jax.Array:
+  """x quantized and dequantized as `quantized_einsum` quantizes it for a weight of `mode` (per
+  row over the contracted axes, or in the block's groups along K): the activation error alone."""
+  xs, _, _, contracted, _ = _parse(eq)
+  dtype, block = _MODES[mode]
+  if block is None:
+    values, scale = quantize_activations(x, tuple(xs.index(c) for c in contracted), dtype)
+    shape = [1 if c in contracted else n for c, n in zip(xs, x.shape, strict=True)]
+    return (values.astype(jnp.float32) * scale.reshape(shape)).astype(x.dtype)
+  n_in = len(contracted)
+  if xs[len(xs) - n_in :] != contracted:
+    raise ValueError(f"a block-quantized weight needs x's contracted axes last, got {xs!r}")
+  k = math.prod(x.shape[x.ndim - n_in :])
+  group = min(block[0], k)
+  values, scale = quantize_activation_groups(x.reshape(-1, k), group, dtype)
+  scale = jnp.repeat(scale, group, axis=-1)[:, :k]
+  return (values.astype(jnp.float32) * scale).reshape(x.shape).astype(x.dtype)
+
+
+def fake_quant_params(params: nnx.State, mode: str, part: str = "both") -> nnx.State:
   """The param State with each weight `quantize_params` would quantize wrapped as a `FakeQuant`
-  of `mode`, inside a differentiated function (the wrapping moves no data)."""
+  of `mode` (rounding `part`: both operands, the weights or the activations), inside a
+  differentiated function (the wrapping moves no data)."""
   if mode not in QUANT_MODES:
     raise ValueError(f"fake_quant_params: unknown mode {mode!r}; allowed modes: {QUANT_MODES}")
-  return _map_projections(params, lambda w, in_ndim: FakeQuant(w, mode, in_ndim))
+  if part not in FAKE_QUANT_PARTS:
+    raise ValueError(f"fake_quant_params: unknown part {part!r}; allowed: {FAKE_QUANT_PARTS}")
+  return _map_projections(params, lambda w, in_ndim: FakeQuant(w, mode, in_ndim, part))
 
 
 def _map_projections(params: nnx.State, fn) -> nnx.State:
@@ -416,7 +465,7 @@ def quantize_weight(w: jax.Array, in_ndim: int, mode: str) -> QArray | BlockQArr
   dtype, block = _MODES[mode]
   if block is None:
     return quantize(w, in_ndim, dtype)
-  return quantize_blocks(w, in_ndim, dtype, (block, block))
+  return quantize_blocks(w, in_ndim, dtype, block)
 
 
 def quantize_params(params: nnx.State, mode: str = "int8") -> nnx.State:
@@ -478,8 +527,10 @@ class Quantizer:
 def quantized_sharding(w, in_ndim: int, mode: str):
   """The sharding of `quantize_weight(w, in_ndim, mode)` when `w` is laid out by a
   NamedSharding (else None): the values exactly as `w`; a per-channel scale as `w`'s output
-  axes; a block scale (a [K / 128, N / 128] grid, a few hundred floats) replicated. So a
-  quantized copy sits on the devices of the weight it replaces, as the rules laid that out."""
+  axes; a block scale (fp8_block: a [K / 128, N / 128] grid, a few hundred floats)
+  replicated. So a quantized copy sits on the devices of the weight it replaces, as the rules
+  laid that out. (fp4's [K / 16, N] grid, 1/16 of the weight's elements, is replicated too: a
+  research mode, not sized for large models.)"""
   sharding = getattr(w, "sharding", None)
   if not isinstance(sharding, jax.sharding.NamedSharding):
     return None
@@ -488,6 +539,6 @@ def quantized_sharding(w, in_ndim: int, mode: str):
     scale = jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(*spec[in_ndim:]))
     return QArray(sharding, scale)
   replicated = jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec())
-  block = _MODES[mode][1]
+  bk, bn = _MODES[mode][1]
   k, n = math.prod(w.shape[:in_ndim]), math.prod(w.shape[in_ndim:])
-  return BlockQArray(sharding, replicated, (min(block, k), min(block, n)), in_ndim)
+  return BlockQArray(sharding, replicated, (min(bk, k), min(bn, n)), in_ndim)

@@ -27,16 +27,21 @@ from quant_test import (
 
 from jaxrl.quant import (
   BlockQArray,
+  FakeQuant,
   QArray,
   Quantizer,
   UnderflowCounter,
   dequantize,
+  dequantize_activations,
+  fake_quant_einsum,
+  fake_quant_params,
   int8_einsum,
   quantize,
   quantize_activation_groups,
   quantize_activations,
   quantize_blocks,
   quantize_params,
+  quantize_weight,
   quantized_einsum,
 )
 from jaxrl.rollout.driver import Driver, Request
@@ -223,8 +228,9 @@ def test_fp8_forwards_stay_near_float_in_the_order_of_their_precision():
   assert gaps["fp8_e5m2"] <= 2.0**-2 * 0.75 and gaps["fp8_e5m2"] > gaps["fp8"]
 
 
-def test_fp8_engine_matches_no_cache_fp8_reference():
-  graphdef, _, qparams = _fp8_model("fp8")
+@pytest.mark.parametrize("mode", ["fp8", "fp4"])
+def test_fp8_engine_matches_no_cache_fp8_reference(mode):
+  graphdef, _, qparams = _fp8_model(mode)
   ref_tokens, ref_logp = greedy_reference(graphdef, qparams)
   engine = Engine(
     CFG, graphdef, max_concurrent_decodes=3, num_pages=24, page_size=4,
@@ -334,3 +340,58 @@ def test_underflow_counter_counts_nonzero_activations_quantized_to_zero():
   with counter.tracing():
     quantize_activation_groups(jnp.asarray([[1.0, 1e-7, 2.0, 3.0]]), 2, jnp.float8_e4m3fn)
   assert counter.read() == (1, 4)
+
+
+def test_fp4_microscaled_blocks_bound_the_error_and_the_einsum_is_the_dequantized_dot():
+  # e2m1 holds 0, 0.5, 1, 1.5, 2, 3, 4, 6: rounding to nearest is off by at most a quarter of a
+  # value in [1, 6] (half a step of 0.5 at 1, of 1 at 2, of 2 at 4) and by 0.25 below 1, all
+  # times the block's scale (its max / 6). One scale per 16 inputs of each output column.
+  rng = np.random.default_rng(7)
+  w = rng.normal(size=(40, 9)).astype(np.float32)
+  w[3, 2] = 50.0  # an outlier coarsens only its own 16-input block of column 2
+  q = quantize_weight(jnp.asarray(w), 1, "fp4")
+  assert isinstance(q, BlockQArray) and q.values.dtype == jnp.float4_e2m1fn
+  assert q.block == (16, 1) and q.scale.shape == (3, 9)
+  scale = np.repeat(np.asarray(q.scale), 16, axis=0)[:40]
+  err = np.abs(np.asarray(dequantize(q)) - w)
+  assert np.all(err <= 0.25 * np.maximum(np.abs(w), scale) + 1e-7)
+  assert scale[20, 2] < scale[3, 2] / 5  # the outlier's block only
+  # The einsum (operands upcast before the dot) equals the dot of the dequantized operands.
+  x = rng.normal(size=(2, 3, 40)).astype(np.float32)
+  got = np.asarray(jax.jit(quantized_einsum, static_argnums=0)("BTD,DF->BTF", jnp.asarray(x), q))
+  xv, xs = quantize_activation_groups(jnp.asarray(x), 16, jnp.float4_e2m1fn)
+  x_hat = np.asarray(xv, np.float32) * np.repeat(np.asarray(xs), 16, axis=-1)[..., :40]
+  ref = np.einsum("btd,df->btf", x_hat, np.asarray(dequantize(q)))
+  np.testing.assert_allclose(got, ref, rtol=0, atol=1e-5 * np.abs(ref).max())
+
+
+@pytest.mark.parametrize("mode", ["int8", "fp8_block", "fp4"])
+def test_fake_quant_parts_split_the_samplers_error_into_weights_and_activations(mode):
+  # "weights" rounds only W, "activations" only x, as the sampler groups them: the two rounded
+  # operands' float dot is the sampler's W8A8 einsum ("both"), so each part is one source of its
+  # error (QUADS's ablation). Gradients stay straight-through whatever is rounded.
+  eq = "BTD,DF->BTF"
+  rng = np.random.default_rng(11)
+  x = jnp.asarray(rng.normal(size=(2, 3, 40)).astype(np.float32))
+  w = jnp.asarray(rng.normal(size=(40, 24)).astype(np.float32) * 0.2)
+  out = {
+    part: fake_quant_einsum(eq, x, FakeQuant(w, mode, 1, part))
+    for part in ("both", "weights", "activations")
+  }
+  w_hat = dequantize(quantize_weight(w, 1, mode))
+  x_hat = dequantize_activations(eq, x, mode)
+  np.testing.assert_allclose(out["weights"], jnp.einsum(eq, x, w_hat), atol=1e-5)
+  np.testing.assert_allclose(out["activations"], jnp.einsum(eq, x_hat, w), atol=1e-5)
+  np.testing.assert_allclose(out["both"], jnp.einsum(eq, x_hat, w_hat), atol=1e-4)
+  exact = jnp.einsum(eq, x, w)
+  for part in ("weights", "activations"):
+    assert 0 < float(jnp.abs(out[part] - exact).max()), part
+    gx, gw = jax.grad(
+      lambda x, w, p=part: jnp.sum(jnp.sin(fake_quant_einsum(eq, x, FakeQuant(w, mode, 1, p)))),
+      argnums=(0, 1),
+    )(x, w)
+    fx, fw = jax.vjp(lambda x, w: jnp.einsum(eq, x, w), x, w)[1](jnp.cos(out[part]))
+    np.testing.assert_allclose(gx, fx, atol=1e-5)
+    np.testing.assert_allclose(gw, fw, atol=1e-5)
+  with pytest.raises(ValueError, match="unknown part 'bias'"):
+    fake_quant_params({}, mode, "bias")

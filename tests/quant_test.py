@@ -223,15 +223,15 @@ def test_quantizer_passes_unquantized_leaves_through_without_copying():
   quantize(params)
   assert len(quantize._jitted) == 1
   with pytest.raises(ValueError, match="allowed modes"):
-    Quantizer("fp4")
+    Quantizer("int4")
 
 
 def test_quantize_params_rejects_unknown_mode():
   _, params, _ = _model()
   with pytest.raises(
-    ValueError, match=r"allowed modes: \('int8', 'fp8', 'fp8_e5m2', 'fp8_block'\)"
+    ValueError, match=r"allowed modes: \('int8', 'fp8', 'fp8_e5m2', 'fp8_block', 'fp4'\)"
   ):
-    quantize_params(params, mode="fp4")
+    quantize_params(params, mode="int4")
 
 
 def test_quantize_params_leaves_moe_experts_and_router_float():

@@ -102,6 +102,9 @@ def test_the_buffer_survives_json_bit_for_bit():
     assert (s, o) == (s2, o2)
     np.testing.assert_array_equal(w, w2)
     for a, b in zip(r, r2, strict=True):
+      if a is None:  # an optional field (captured routes) absent before is absent after
+        assert b is None
+        continue
       assert a.dtype == b.dtype
       np.testing.assert_array_equal(a, b)
 
