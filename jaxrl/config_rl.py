@@ -200,6 +200,13 @@ class RolloutConfig:
     "quantize-dequantize path with straight-through gradients (needs quantize), so the "
     "learner scores tokens with the numerics that drew them",
   )
+  learner_fake_quant_part: str = _field(
+    "both",
+    choices=("both", "weights"),
+    help="what learner_fake_quant rounds: both operands, as the sampler does, or the weights "
+    "only, activations in full precision (QUADS's asymmetric QAT: activation rounding is "
+    "the larger error, bench/quant_error.py)",
+  )
   kv_dtype: str = _field(
     "auto",
     choices=("auto", "fp8"),
@@ -395,6 +402,12 @@ def check_rl(rl: RLConfig) -> None:
     "rl.rollout.learner_fake_quant",
     rl.rollout.learner_fake_quant,
     "False with rl.rollout.quantize='none' (it copies the sampler's quantization)",
+  )
+  check(
+    rl.rollout.learner_fake_quant or rl.rollout.learner_fake_quant_part == "both",
+    "rl.rollout.learner_fake_quant_part",
+    rl.rollout.learner_fake_quant_part,
+    "'both' without rl.rollout.learner_fake_quant (it says what that rounds)",
   )
   pf = rl.prompt_filter
   check(

@@ -62,6 +62,11 @@ def test_defaults_and_the_shipped_config_validate():
       r"rl\.rollout\.quantize='none'",
     ),
     (
+      {"rl": {"rollout": {"quantize": "fp4", "learner_fake_quant_part": "weights"}}},
+      r"config\.rl\.rollout\.learner_fake_quant_part='weights' is invalid; allowed: 'both' "
+      r"without rl\.rollout\.learner_fake_quant",
+    ),
+    (
       {"rl": {"prompts_per_step": 16, "prompt_pool": 8}},
       r"config\.rl\.prompt_pool=8 is invalid; allowed: 0 \(an endless stream\) or >= "
       r"rl\.prompts_per_step = 16",
@@ -295,8 +300,8 @@ def test_complete_leaves_a_section_given_as_a_value_for_validate_to_report():
     (
       "rl.rollout.zzz",
       "unknown field config.rl.rollout.zzz; valid fields of config.rl.rollout: batching, "
-      "kv_dtype, learner_fake_quant, num_pages, overlap_rewards, page_size, quantize, routes, "
-      "slots, steps_per_call",
+      "kv_dtype, learner_fake_quant, learner_fake_quant_part, num_pages, overlap_rewards, "
+      "page_size, quantize, routes, slots, steps_per_call",
     ),
     ("nope.x", "unknown field config.nope.x; valid fields of config: checkpoint, distill,"),
   ],

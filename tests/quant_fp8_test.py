@@ -31,6 +31,7 @@ from jaxrl.quant import (
   QArray,
   Quantizer,
   UnderflowCounter,
+  _map_projections,
   dequantize,
   dequantize_activations,
   fake_quant_einsum,
@@ -44,6 +45,8 @@ from jaxrl.quant import (
   quantize_weight,
   quantized_einsum,
 )
+from jaxrl.rl.batch import TrainBatch
+from jaxrl.rl.objectives import PolicyLoss
 from jaxrl.rollout.driver import Driver, Request
 from jaxrl.rollout.engine import Engine
 
@@ -395,3 +398,23 @@ def test_fake_quant_parts_split_the_samplers_error_into_weights_and_activations(
     np.testing.assert_allclose(gw, fw, atol=1e-5)
   with pytest.raises(ValueError, match="unknown part 'bias'"):
     fake_quant_params({}, mode, "bias")
+
+
+def test_the_policy_loss_fake_quantizes_only_the_weights_when_asked():
+  # rl.rollout.learner_fake_quant_part='weights': the loss is the float loss of the params with
+  # their projections quantized and dequantized (activations in full precision).
+  graphdef, params = numpy_model(CFG, 0)
+  rng = np.random.default_rng(3)
+  tokens = jnp.asarray(rng.integers(3, CFG.vocab_size, size=(2, 9)), jnp.int32)
+  mask = jnp.asarray(np.arange(9)[None] >= 4, jnp.float32).repeat(2, 0)
+  f = lambda x: jnp.asarray(x, jnp.float32)  # noqa: E731
+  batch = TrainBatch(
+    tokens, jnp.ones((2, 9), bool), mask, f(rng.normal(size=(2, 1))) * mask,
+    f(rng.normal(-2, 0.3, size=(2, 9))) * mask, jnp.zeros((2, 9)), jnp.zeros((2, 9), jnp.int32),
+  )  # fmt: skip
+  got, _ = jax.jit(PolicyLoss(graphdef, fake_quant="fp4", fake_quant_part="weights"))(params, batch)
+  deq = _map_projections(params, lambda w, n: dequantize(quantize_weight(w, n, "fp4")))
+  want, _ = jax.jit(PolicyLoss(graphdef))(deq, batch)
+  both, _ = jax.jit(PolicyLoss(graphdef, fake_quant="fp4"))(params, batch)
+  np.testing.assert_allclose(float(got), float(want), rtol=1e-5)
+  assert abs(float(both) - float(got)) > 1e-6  # the activations' rounding is left out

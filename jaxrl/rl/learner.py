@@ -67,6 +67,7 @@ def policy_loss(run: Run, temperature: float) -> PolicyLoss:
     offpolicy=rl.offpolicy,
     max_tokens=rl.max_new_tokens,
     fake_quant=rl.rollout.quantize if rl.rollout.learner_fake_quant else "none",
+    fake_quant_part=rl.rollout.learner_fake_quant_part,
     routes=rl.rollout.routes,
   )
 
@@ -116,13 +117,14 @@ class Learner:
     graphdef = run.graphdef
     # pi_prox: with rl.rollout.learner_fake_quant, through the same quantized path as the loss.
     fake = rl.rollout.quantize if rl.rollout.learner_fake_quant else None
+    part = rl.rollout.learner_fake_quant_part
     # ... and with rl.rollout.routes='replay', on the sampler's experts.
     self._replay = rl.rollout.routes == "replay"
     self._logprobs = jax.jit(
       lambda p, t, v, m, r: jnp.where(
         m > 0,
         token_logprobs(
-          graphdef, p if fake is None else fake_quant_params(p, fake), t, v,
+          graphdef, p if fake is None else fake_quant_params(p, fake, part), t, v,
           temperature=temperature, routes=r,
         ),
         0.0,

@@ -36,6 +36,7 @@ class PolicyLoss:
   offpolicy: OffPolicyConfig = OffPolicyConfig()  # config.rl.offpolicy
   max_tokens: int | None = None  # the constant normaliser of "seq-mean-token-sum-norm"
   fake_quant: str = "none"  # rl.rollout.quantize's mode with rl.rollout.learner_fake_quant
+  fake_quant_part: str = "both"  # rl.rollout.learner_fake_quant_part
   routes: str = "none"  # rl.rollout.routes: "record" measures agreement, "replay" forces them
 
   @property
@@ -51,7 +52,7 @@ class PolicyLoss:
 
   def __call__(self, params, batch):
     if self.fake_quant != "none":
-      params = fake_quant_params(params, self.fake_quant)
+      params = fake_quant_params(params, self.fake_quant, self.fake_quant_part)
     lb, z = self.loss.load_balance_coef, self.loss.router_z_coef
     recorded = batch.routes if self.routes != "none" else None
     replay = recorded if self.routes == "replay" else None
