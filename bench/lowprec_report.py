@@ -1,0 +1,123 @@
+"""Low-precision rollouts on the default job: held-out accuracy after RL paired by seed against
+the float32 baseline, and the sampler-learner mismatch over training (mismatch/abs_logp_mean,
+mismatch/kl_k3, the activations rounded to zero, the TIS-truncated token fraction). Reads sweeps
+made with `python -m launch.sweep run ... --sft-from=<the baseline sweep>` (same warm-starts),
+writes a markdown table to stdout, a PNG (accuracy over cumulative rollouts; KL(sampler ||
+learner) over RL steps) and the per-seed numbers as JSON.
+
+  .venv/bin/python bench/lowprec_report.py --baseline=runs/sweep/careless2d \
+      --sweep fp8=runs/sweep/fp8_block_kv --sweep fp8_tis=runs/sweep/fp8_block_kv_tis \
+      --png=docs/lowprec_arith.png --json=bench/results/lowprec_arith.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "bench"))
+
+from staleness_report import paired, runs_of, span  # noqa: E402
+
+MISMATCH = ("mismatch/abs_logp_mean", "mismatch/kl_k3", "mismatch/act_underflow_frac")
+
+
+def mismatch_of(out: Path, isa: str) -> dict[int, dict]:
+  """seed -> per-step mismatch curves and means over the RL steps (0 where not logged: float)."""
+  got = {}
+  for path in sorted((out / "runs").glob(f"{isa}_seed*.json")):
+    run = json.loads(path.read_text())
+    if not run.get("ok"):
+      continue
+    rows = [json.loads(x) for x in (out / "work" / path.stem / "metrics.jsonl").open()]
+    rows = [r for r in rows if r.get("phase") == "rl"]
+    curves = {k: [r.get(k, 0.0) for r in rows] for k in MISMATCH}
+    curves["truncated"] = [r.get("offpolicy/clipped_frac", 0.0) for r in rows]
+    got[run["seed"]] = {
+      "curves": curves,
+      **{k: statistics.fmean(v) for k, v in curves.items()},
+    }
+  return got
+
+
+def _plot(cells, mism, png):
+  import matplotlib
+
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  import numpy as np
+
+  fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+  for name, runs in cells.items():
+    seeds = sorted(runs)
+    at = {s: {e[0]: e for e in runs[s]["evals"]} for s in seeds}
+    steps = sorted(set.intersection(*(set(at[s]) for s in seeds)))
+    acc = np.array([[at[s][t][3] for s in seeds] for t in steps])
+    x = [statistics.fmean(at[s][t][1] for s in seeds) for t in steps]
+    (line,) = axes[0].plot(x, acc.mean(1), marker=".", label=f"{name} (n={len(seeds)})")
+    axes[0].fill_between(x, acc.min(1), acc.max(1), color=line.get_color(), alpha=0.1)
+    kl = np.array([mism[name][s]["curves"]["mismatch/kl_k3"] for s in seeds]).mean(0)
+    if kl.any():
+      smooth = np.convolve(kl, np.ones(10) / 10, mode="valid")
+      axes[1].plot(range(10, 10 + len(smooth)), smooth, color=line.get_color(), label=name)
+  axes[0].set(xlabel="cumulative rollouts", ylabel="held-out greedy accuracy")
+  axes[0].set_title("accuracy: mean, range over seeds")
+  axes[1].set(xlabel="RL step", ylabel="KL(sampler || learner), k3 per token")
+  axes[1].set_title("mismatch (seed mean, 10-step average)")
+  axes[0].legend(fontsize=8)
+  axes[1].legend(fontsize=8)
+  fig.tight_layout()
+  fig.savefig(png, dpi=110)
+
+
+def main(argv=None) -> int:
+  ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+  ap.add_argument("--baseline", required=True, help="the float32 sweep")
+  ap.add_argument("--baseline-name", default="float32 (baseline)")
+  ap.add_argument("--sweep", action="append", default=[], metavar="NAME=OUT")
+  ap.add_argument("--isa", default="native")
+  ap.add_argument("--png", default=None)
+  ap.add_argument("--json", default=None)
+  args = ap.parse_args(argv)
+  outs = {args.baseline_name: Path(args.baseline)}
+  outs.update(dict(item.split("=", 1) for item in args.sweep))
+  cells = {name: runs_of(Path(out), args.isa) for name, out in outs.items()}
+  mism = {name: mismatch_of(Path(out), args.isa) for name, out in outs.items()}
+  base = cells[args.baseline_name]
+  seeds = sorted(set.intersection(*(set(r) for r in cells.values())))
+  cells = {name: {s: runs[s] for s in seeds} for name, runs in cells.items()}
+  print(
+    "| cell | seeds | accuracy after RL, mean (min–max) | − baseline, paired mean [95% CI] | "
+    "mean abs dlogp | KL k3 | activations rounded to 0 | TIS-truncated tokens |"
+  )
+  print("|---|---|---|---|---|---|---|---|")
+  for name, runs in cells.items():
+    acc = [runs[s]["acc"] for s in seeds]
+    m, lo, hi = paired([base[s]["acc"] for s in seeds], acc)
+    col = lambda k, d=4, name=name: span([mism[name][s][k] for s in seeds], d)  # noqa: E731
+    print(
+      f"| {name} | {','.join(map(str, seeds))} | {span(acc, 3)} | {m:+.3f} [{lo:+.3f}, {hi:+.3f}] "
+      f"| {col('mismatch/abs_logp_mean')} | {col('mismatch/kl_k3', 5)} "
+      f"| {col('mismatch/act_underflow_frac', 5)} | {col('truncated', 5)} |"
+    )
+  if args.json:
+    raw = {
+      name: {
+        str(s): {"acc": cells[name][s]["acc"], "evals": cells[name][s]["evals"], **mism[name][s]}
+        for s in seeds
+      }
+      for name in cells
+    }
+    Path(args.json).write_text(json.dumps(raw, indent=1) + "\n")
+  if args.png:
+    _plot(cells, mism, args.png)
+    print(f"\nplot: {args.png}")
+  return 0
+
+
+if __name__ == "__main__":
+  raise SystemExit(main())
