@@ -1,6 +1,7 @@
 """Shared test fixtures: jitted forwards, tiny random models, greedy and cached decoding."""
 
 import functools
+import json
 
 import jax
 import jax.numpy as jnp
@@ -124,3 +125,13 @@ def greedy_completions(graphdef, params, prompts, n: int, width: int):
   out = np.asarray(out)
   completions = np.stack([out[b, k : k + n] for b, k in enumerate(lengths)])
   return completions, float(np.min(gap))
+
+
+def rl_metric_lines(workdir) -> list[dict]:
+  """The RL phase's rows of a run's metrics.jsonl, timings left out (they differ run to run)."""
+  out = []
+  for line in (workdir / "metrics.jsonl").read_text().splitlines():
+    r = json.loads(line)
+    if r["phase"] == "rl":
+      out.append({k: v for k, v in r.items() if not k.startswith("time/")})
+  return out

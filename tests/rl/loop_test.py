@@ -8,6 +8,7 @@ import jax
 import numpy as np
 import pytest
 from flax import nnx
+from helpers import rl_metric_lines
 
 import configs.grpo_arith as grpo_arith
 from jaxrl.config import RewardConfig, validate
@@ -185,14 +186,6 @@ SPLIT_PARTIAL = {**PARTIAL, **SPLIT}
   ids=["sync", "partial", "greso", "stale", "split", "split_partial"],
 )
 def test_resume_repeats_an_uninterrupted_run(tmp_path, rl):
-  def rl_lines(wd):
-    out = []
-    for line in (wd / "metrics.jsonl").read_text().splitlines():
-      r = json.loads(line)
-      if r["phase"] == "rl":
-        out.append({k: v for k, v in r.items() if not k.startswith("time/")})
-    return out
-
   full = Trainer(_config(tmp_path / "full", **rl), log=lambda *_: None)
   full.run()
   full_params = jax.device_get(full.state.policy.params)
@@ -207,20 +200,20 @@ def test_resume_repeats_an_uninterrupted_run(tmp_path, rl):
   resumed_params = jax.device_get(resumed.state.policy.params)
   resumed.close()
 
-  assert rl_lines(tmp_path / "part") == rl_lines(tmp_path / "full")
+  assert rl_metric_lines(tmp_path / "part") == rl_metric_lines(tmp_path / "full")
   for a, b in zip(jax.tree.leaves(full_params), jax.tree.leaves(resumed_params), strict=True):
     np.testing.assert_array_equal(a, b)
   if rl is GRESO:  # the filter ran at every step, from the restored statistics after step 2
-    lines = rl_lines(tmp_path / "part")
+    lines = rl_metric_lines(tmp_path / "part")
     assert all(line["prompts/drawn"] >= 8 for line in lines)
     assert lines[0]["prompts/skipped"] == 0 and any(x["prompts/skipped"] > 0 for x in lines[2:])
   if rl in (STALE, SPLIT):  # batches 2 (and 3) were sampled before the checkpoint, by 0 and 1
     k = rl["placement"]["max_staleness"]
-    assert [line["async/staleness_max"] for line in rl_lines(tmp_path / "part")] == [
+    assert [line["async/staleness_max"] for line in rl_metric_lines(tmp_path / "part")] == [
       min(s, k) for s in range(4)
     ]
   if rl in (PARTIAL, SPLIT_PARTIAL):  # the checkpoint at 2 held sequences in flight, resumed
-    lines = rl_lines(tmp_path / "full")
+    lines = rl_metric_lines(tmp_path / "full")
     assert lines[1]["partial/carried_sequences"] > 0
     assert lines[2]["partial/resumed_sequences"] > 0
 
@@ -577,7 +570,7 @@ def test_skipping_zero_advantage_rows_leaves_the_update_as_it_was(tmp_path):
 
 
 def test_scoring_overlapped_with_decoding_gives_the_same_run(tmp_path):
-  def rl_lines(wd):
+  def rl_metric_lines(wd):
     rows = [json.loads(x) for x in (wd / "metrics.jsonl").read_text().splitlines()]
     return [
       {k: v for k, v in r.items() if not k.startswith("time/")} for r in rows if r["phase"] == "rl"
@@ -589,5 +582,5 @@ def test_scoring_overlapped_with_decoding_gives_the_same_run(tmp_path):
     trainer = Trainer(cfg, log=lambda *_: None)
     trainer.run()
     trainer.close()
-    lines[overlap] = rl_lines(tmp_path / str(overlap))
+    lines[overlap] = rl_metric_lines(tmp_path / str(overlap))
   assert lines[True] == lines[False]

@@ -2,24 +2,18 @@
 learner's own routes changing nothing, replay of other routes moving the loss but not the
 reported agreement, and a MoE run with partial rollouts whose carried routes survive a resume."""
 
-import json
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import numpy_model
+from helpers import numpy_model, rl_metric_lines
+from moe_aux_test import CFG, _batch
 
 from configs import grpo_arith
 from jaxrl.config import ConfigError, validate
-from jaxrl.models import ModelConfig
 from jaxrl.models.transformer import apply_with_routing, positions_from_mask
-from jaxrl.rl.batch import TrainBatch
 from jaxrl.rl.loop import Trainer
 from jaxrl.rl.objectives import PolicyLoss, route_agreement
-
-CFG = ModelConfig.tiny_moe().replace(num_layers=2)
-B, T, P = 4, 9, 3
 
 
 def test_route_agreement_by_hand():
@@ -36,24 +30,9 @@ def test_route_agreement_by_hand():
   assert (s, n) == (3.0, 4.0)
 
 
-def _batch(seed):
-  rng = np.random.default_rng(seed)
-  tokens = rng.integers(0, CFG.vocab_size, size=(B, T)).astype(np.int32)
-  cols = np.arange(T)[None]
-  valid = (cols >= rng.integers(0, 2, size=(B, 1))) & (cols < rng.integers(P + 2, T + 1, (B, 1)))
-  mask = ((cols >= P) & valid).astype(np.float32)
-  adv = rng.normal(size=(B, 1)) * mask
-  old = rng.normal(-2.0, 0.3, size=(B, T)) * mask
-  f32 = lambda x: jnp.asarray(x, jnp.float32)  # noqa: E731
-  return TrainBatch(
-    jnp.asarray(tokens), jnp.asarray(valid), f32(mask), f32(adv), f32(old), f32(old),
-    jnp.asarray(np.where(mask > 0, 0, -1).astype(np.int32)),
-  )  # fmt: skip
-
-
 def test_replaying_the_learners_own_routes_leaves_loss_and_gradients_unchanged():
   graphdef, params = numpy_model(CFG, 0)
-  batch = _batch(0)
+  batch = _batch(0, zero_advantage=False)
   _, _, routing = apply_with_routing(
     graphdef, params, batch.tokens, positions_from_mask(batch.valid), batch.valid
   )
@@ -100,14 +79,6 @@ PARTIAL = {
 
 
 def test_a_moe_run_with_partial_rollouts_replays_routes_and_resumes_exactly(tmp_path):
-  def rl_lines(wd):
-    out = []
-    for line in (wd / "metrics.jsonl").read_text().splitlines():
-      r = json.loads(line)
-      if r["phase"] == "rl":
-        out.append({k: v for k, v in r.items() if not k.startswith("time/")})
-    return out
-
   full = Trainer(_config(tmp_path / "full", "replay", **PARTIAL), log=lambda *_: None)
   assert full.sampler.engine.routes_shape == (CFG.num_layers, CFG.experts_per_token)
   full.run()
@@ -120,8 +91,8 @@ def test_a_moe_run_with_partial_rollouts_replays_routes_and_resumes_exactly(tmp_
   resumed.run()
   resumed_params = jax.device_get(resumed.state.policy.params)
   resumed.close()
-  lines = rl_lines(tmp_path / "full")
-  assert rl_lines(tmp_path / "part") == lines
+  lines = rl_metric_lines(tmp_path / "full")
+  assert rl_metric_lines(tmp_path / "part") == lines
   for a, b in zip(jax.tree.leaves(full_params), jax.tree.leaves(resumed_params), strict=True):
     np.testing.assert_array_equal(a, b)
   assert lines[1]["partial/carried_sequences"] > 0 and lines[2]["partial/resumed_sequences"] > 0
