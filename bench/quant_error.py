@@ -12,6 +12,8 @@ estimate of KL(float || quant). "both" is checked against the real quantized par
 (quantize_params) once per mode: they are the same numbers, up to float summation order.
 
   .venv/bin/python bench/quant_error.py --sft-sweep=runs/sweep/careless2d --seeds=0-2
+  XLA_FLAGS=--xla_cpu_max_isa=AVX2 .venv/bin/python bench/quant_error.py --seeds=0-2 \
+      --out=bench/results/quant_error_avx2.json --png=/tmp/quant_error_avx2.png
 """
 
 from __future__ import annotations
@@ -103,7 +105,9 @@ def plot(summary: dict, path: Path) -> None:
   ax.set_xticks(range(len(QUANT_MODES)), QUANT_MODES)
   ax.set_yscale("log")
   ax.set_ylabel("mean |logp_q - logp_float|")
-  ax.set_title("Quantized policy's log-prob error on its own samples (mean, range over seeds)")
+  ax.set_title(
+    "Quantized vs float log-probs on the policy's samples (mean, range over seeds)", fontsize=9
+  )
   ax.legend(fontsize=8)
   fig.tight_layout()
   FigureCanvasAgg(fig).print_png(str(path))
@@ -116,6 +120,7 @@ def main(argv=None) -> dict:
   ap.add_argument("--prompts", type=int, default=64)
   ap.add_argument("--group", type=int, default=4)
   ap.add_argument("--out", default=str(DEFAULT_OUT))
+  ap.add_argument("--png", default=str(REPO / "docs" / "quant_error.png"))
   args = ap.parse_args(argv)
   per_seed = {}
   for seed in _seeds(args.seeds):
@@ -138,7 +143,7 @@ def main(argv=None) -> dict:
     "summary": summary,
   }
   Path(args.out).write_text(json.dumps(result, indent=1))
-  plot(summary, REPO / "docs" / "quant_error.png")
+  plot(summary, Path(args.png))
   print("| mode | part | mean abs dlogp | p99 abs dlogp | KL k3 |")
   print("|---|---|---|---|---|")
   for key, m in summary.items():
