@@ -171,8 +171,9 @@ def route_agreement(own, recorded, valid) -> dict:
   own: [L, B, T, k] the learner's own experts (`apply_with_routing`); recorded: [B, T, L, k]
   (`TrainBatch.routes`); valid [B, T]. Metrics as (sum, count) pairs, so micro-batches and
   mini-batches pool: moe/route_agree (all layers) and moe/route_agree_l{i}. 1 where the two
-  routers pick the same experts; routing replay does not change it (it is the router's own
-  choice that is compared), it makes the forward ignore it.
+  routers pick the same experts. Under routing replay it is still the router's own choice that
+  is compared (the forward just does not follow it), though from layer 1 on the routers see the
+  activations of the replayed forward.
   """
   rec = jnp.moveaxis(recorded.astype(jnp.int32), 2, 0)  # [L, B, T, k]
   hit = jnp.any(own[..., :, None] == rec[..., None, :], axis=-1)  # [L, B, T, k]
