@@ -32,6 +32,7 @@ from jaxrl.config_rl import (  # noqa: F401
   SamplingConfig,
   check_rl,
 )
+from jaxrl.kernels import KERNELS, backend_problem
 from jaxrl.models.config import REMAT_POLICIES
 from jaxrl.registry import ADVANTAGES
 
@@ -82,6 +83,29 @@ class ModelSection:
     "none",
     choices=REMAT_POLICIES,
     help="recompute each block's activations on the backward pass (jax.checkpoint policy)",
+  )
+  attention_kernel: str = _field(
+    "reference",
+    choices=KERNELS["attention_kernel"],
+    help="the rollout engine's paged attention: 'reference' (jnp, gathers each sequence's "
+    "pages) or the Pallas kernel that reads pages in place ('pallas_tpu'; jaxrl.kernels)",
+  )
+  moe_kernel: str = _field(
+    "reference",
+    choices=KERNELS["moe_kernel"],
+    help="MoE experts' grouped matmul: 'reference' (jax.lax.ragged_dot) or the megablox-style "
+    "Pallas kernel ('pallas_tpu')",
+  )
+  matmul_kernel: str = _field(
+    "reference",
+    choices=KERNELS["matmul_kernel"],
+    help="a quantized sampler's W8A8 projections (rl.rollout.quantize int8/fp8/fp8_e5m2): "
+    "'reference' (XLA dot) or a Pallas kernel ('pallas_tpu', 'pallas_gpu')",
+  )
+  kernel_interpret: bool = _field(
+    False,
+    help="run the Pallas kernels chosen above through the Pallas interpreter (any backend; "
+    "slow: for tests and debugging)",
   )
 
 
@@ -483,4 +507,15 @@ def validate(cfg) -> Config:
     v = getattr(c.mesh, name)
     check(v == -1 or v >= 1, f"mesh.{name}", v, "-1 (all remaining devices) or >= 1")
   check(c.mesh.expert >= 1, "mesh.expert", c.mesh.expert, ">= 1 (1: no expert axis)")
+  for name in KERNELS:
+    impl = getattr(c.model, name)
+    problem = backend_problem(impl, c.model.kernel_interpret)
+    check(problem is None, f"model.{name}", impl, problem or "")
+  check(
+    c.model.matmul_kernel == "reference" or c.rl.rollout.quantize in ("int8", "fp8", "fp8_e5m2"),
+    "model.matmul_kernel",
+    c.model.matmul_kernel,
+    "'reference' unless rl.rollout.quantize is per-channel (int8, fp8, fp8_e5m2): it runs "
+    f"only quantized projections, and {c.rl.rollout.quantize!r} has no kernel",
+  )
   return c

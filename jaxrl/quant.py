@@ -31,6 +31,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxrl.kernels.contract import contract
+from jaxrl.kernels.quant_matmul import quant_matmul
 
 _QMAX = 127.0  # symmetric int8: -128 is never used, so negation stays exact
 QUANT_MODES = ("int8", "fp8", "fp8_e5m2", "fp8_block", "fp4")
@@ -283,10 +284,22 @@ def _parse(eq: str) -> tuple[str, str, str, str, str]:
   return xs, ws, out, contracted, kept
 
 
-def quantized_einsum(eq: str, x: jax.Array, q: QArray | BlockQArray) -> jax.Array:
+def quantized_einsum(
+  eq: str,
+  x: jax.Array,
+  q: QArray | BlockQArray,
+  *,
+  impl: str = "reference",
+  interpret: bool = False,
+) -> jax.Array:
   """W8A8 `einsum(eq, x, W)`: x quantized like W (per row for a per-channel W, in groups of
   the block's K edge for a `BlockQArray`), the dot in the quantized dtype (int8 -> int32
   accumulation, fp8 -> float32), then rescaled. Returns x.dtype.
+
+  `impl` picks the per-channel product: "reference" (the einsum below) or a Pallas kernel of
+  `jaxrl.kernels.quant_matmul` ("auto", "pallas_tpu", "pallas_gpu"; `interpret` runs it
+  through the Pallas interpreter), which takes x as [M, K] codes and W as [K, N]. Block-scaled
+  weights have no kernel yet: they need impl="reference".
 
   eq is one of project()'s einsums ("BTD,DNH->BTNH", "BTNH,NHD->BTD", "BTD,DF->BTF", ...).
   On CPU XLA lowers the int8 einsum to an integer dot that is ~1.8x the speed of the float32
@@ -299,10 +312,29 @@ def quantized_einsum(eq: str, x: jax.Array, q: QArray | BlockQArray) -> jax.Arra
       f"{eq!r} contracts {len(contracted)} axes but the weight has {q.in_ndim} input axes"
     )
   if isinstance(q, BlockQArray):
+    if impl != "reference":
+      raise ValueError(
+        f"block-scaled weights ({q.values.dtype}, blocks {q.block}) have no quantized-matmul "
+        f"kernel; matmul kernel {impl!r} needs a per-channel mode (int8, fp8, fp8_e5m2)"
+      )
     return _block_einsum(xs, contracted, x, q)
   dtype = q.values.dtype
   acc_type = jnp.int32 if dtype == jnp.int8 else jnp.float32
   xq, x_scale = quantize_activations(x, tuple(xs.index(c) for c in contracted), dtype)
+  if impl != "reference":
+    n_in = len(contracted)
+    if xs[len(xs) - n_in :] != contracted:
+      raise ValueError(f"the quantized-matmul kernel needs x's contracted axes last, got {eq!r}")
+    lead_shape, k = x.shape[: x.ndim - n_in], math.prod(q.shape[:n_in])
+    y = quant_matmul(
+      xq.reshape(-1, k),
+      q.values.reshape(k, -1),
+      q.scale.reshape(-1),
+      x_scale.reshape(-1),
+      impl=impl,
+      interpret=interpret,
+    )
+    return y.reshape(*lead_shape, *q.shape[n_in:]).astype(x.dtype)
   acc = contract(eq, xq, q.values, preferred_element_type=acc_type)  # out = [*lead, *kept]
   x_scale = x_scale.reshape(x_scale.shape + (1,) * len(kept))
   # Unlike a float dot's output, this elementwise rescale fuses into its consumer (XLA CPU may

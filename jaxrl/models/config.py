@@ -6,6 +6,8 @@ import dataclasses
 
 import jax.numpy as jnp
 
+from jaxrl.kernels import KERNELS
+
 DTYPES = ("float32", "bfloat16", "float16")
 _ROPE_KINDS = ("llama3", "linear")
 LAYER_TYPES = ("full_attention", "sliding_attention")  # HF `layer_types` names
@@ -90,6 +92,15 @@ class ModelConfig:
   # REMAT_POLICIES, applied to each block.
   scan_layers: bool = False
   remat: str = "none"
+  # Which implementation each kernel call site runs (jaxrl.kernels.KERNELS lists the choices):
+  # the rollout engine's paged attention, the MoE experts' grouped matmul, a quantized
+  # sampler's W8A8 projections. "reference" is pure jnp / XLA (every backend); "pallas_*" a
+  # Pallas kernel, compiled for its accelerator, or run through the Pallas interpreter on any
+  # backend with kernel_interpret (slow: tests). None of them changes the params.
+  attention_kernel: str = "reference"
+  moe_kernel: str = "reference"
+  matmul_kernel: str = "reference"
+  kernel_interpret: bool = False
 
   def __post_init__(self):
     for name in ("vocab_size", "num_layers", "embed_dim", "num_heads", "num_kv_heads"):
@@ -119,6 +130,12 @@ class ModelConfig:
       raise ValueError(f"model.scan_layers must be True or False, got {self.scan_layers!r}")
     if self.remat not in REMAT_POLICIES:
       raise ValueError(f"model.remat={self.remat!r}; allowed: {REMAT_POLICIES}")
+    for name, allowed in KERNELS.items():
+      if getattr(self, name) not in allowed:
+        raise ValueError(f"model.{name}={getattr(self, name)!r}; allowed: {allowed}")
+    if not isinstance(self.kernel_interpret, bool):
+      got = self.kernel_interpret
+      raise ValueError(f"model.kernel_interpret must be True or False, got {got!r}")
 
   def _validate_gemma_fields(self):
     if self.layer_types is not None:

@@ -18,6 +18,7 @@ from flax import nnx
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
+from jaxrl.kernels import KERNELS
 from jaxrl.mesh import Rules, param_shardings, path_str
 from jaxrl.models.config import DTYPES, LAYER_TYPES, ModelConfig, RopeScaling, sliding_layer_types
 from jaxrl.models.lora import merge_lora
@@ -658,7 +659,8 @@ def load_hf_checkpoint(
   whole model never sits on one device. `dtype` overrides the checkpoint's param/compute dtype.
   `lora` ({"lora_rank": r, "lora_alpha": ..., "lora_targets": ...}, ModelConfig fields) adds
   fresh adapters to the loaded base: A drawn from `lora_seed`, B zero, so logits are the base's.
-  `execution` ({"scan_layers": ..., "remat": ...}) sets how the forward runs; the params are the
+  `execution` ({"scan_layers": ..., "remat": ..., and the kernel choices of
+  `jaxrl.kernels.KERNELS` with "kernel_interpret"}) sets how the forward runs; the params are the
   same either way.
   """
   path = Path(path)
@@ -676,9 +678,10 @@ def load_hf_checkpoint(
       )
     cfg = cfg.replace(**lora)
   if execution:
-    bad = sorted(set(execution) - {"scan_layers", "remat"})
+    allowed = ("scan_layers", "remat", *KERNELS, "kernel_interpret")
+    bad = sorted(set(execution) - set(allowed))
     if bad:
-      raise ValueError(f"load_hf_checkpoint execution= has {bad}; allowed: scan_layers, remat")
+      raise ValueError(f"load_hf_checkpoint execution= has {bad}; allowed: {allowed}")
     cfg = cfg.replace(**execution)
   model_type = hf_config["model_type"]
   graphdef, abstract = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0))))

@@ -170,6 +170,8 @@ class Attention(nnx.Module):
     self.q_lora, self.k_lora, self.v_lora, self.o_lora = lora.values()
     self.scale = None if cfg.query_pre_attn_scalar is None else cfg.query_pre_attn_scalar**-0.5
     self.logit_cap = cfg.attn_logit_softcap
+    self.attention_kernel = (cfg.attention_kernel, cfg.kernel_interpret)
+    self.matmul_kernel = (cfg.matmul_kernel, cfg.kernel_interpret)
 
   def __call__(self, x, positions, kv_valid, cache=None, cache_index=0, layer=None):
     """x: [B, T, D]; positions: [B, T]; kv_valid: [B, S] (S = T without a cache).
@@ -180,9 +182,9 @@ class Attention(nnx.Module):
     (the scanned stack of `jaxrl.models.transformer.Transformer`; no paged cache then).
     """
     dt = x.dtype
-    q = project("BTD,DNH->BTNH", x, self.q, self.q_lora)
-    k = project("BTD,DKH->BTKH", x, self.k, self.k_lora)
-    v = project("BTD,DKH->BTKH", x, self.v, self.v_lora)
+    q = project("BTD,DNH->BTNH", x, self.q, self.q_lora, self.matmul_kernel)
+    k = project("BTD,DKH->BTKH", x, self.k, self.k_lora, self.matmul_kernel)
+    v = project("BTD,DKH->BTKH", x, self.v, self.v_lora, self.matmul_kernel)
     if self.q_bias is not None:
       q = q + self.q_bias[...].astype(dt)
       k = k + self.k_bias[...].astype(dt)
@@ -204,10 +206,18 @@ class Attention(nnx.Module):
       # Paged decode/prefill (the rollout engine): keys land in their pages at their positions;
       # `kv_valid` and `cache_index` are unused, the page table and lengths say it all.
       cache = write_kv(cache, k, v, positions)
+      impl, interpret = self.attention_kernel
       out = paged_attention(
-        q, cache, positions, window=window, soft_cap=self.logit_cap, scale=self.scale
+        q,
+        cache,
+        positions,
+        window=window,
+        soft_cap=self.logit_cap,
+        scale=self.scale,
+        impl=impl,
+        interpret=interpret,
       )
-      return project("BTNH,NHD->BTD", out, self.o, self.o_lora), cache
+      return project("BTNH,NHD->BTD", out, self.o, self.o_lora, self.matmul_kernel), cache
     if cache is not None:
       ck, cv = cache
       k = jax.lax.dynamic_update_slice_in_dim(ck, k.astype(ck.dtype), cache_index, axis=1)
@@ -218,7 +228,7 @@ class Attention(nnx.Module):
       q, k.astype(dt), v.astype(dt), mask, scale=self.scale, logit_cap=self.logit_cap
     )
     out = logical_constraint(out, _Q_AXES)
-    return project("BTNH,NHD->BTD", out, self.o, self.o_lora), cache
+    return project("BTNH,NHD->BTD", out, self.o, self.o_lora, self.matmul_kernel), cache
 
 
 class MLP(nnx.Module):
@@ -235,11 +245,12 @@ class MLP(nnx.Module):
       cfg, rngs, {"gate": (*d_in, *f_in), "up": (*d_in, *f_in), "down": (*f_in, *d_in)}
     )
     self.gate_lora, self.up_lora, self.down_lora = lora.values()
+    self.matmul_kernel = (cfg.matmul_kernel, cfg.kernel_interpret)
 
   def __call__(self, x):
-    g = project("BTD,DF->BTF", x, self.gate, self.gate_lora)
-    u = project("BTD,DF->BTF", x, self.up, self.up_lora)
+    g = project("BTD,DF->BTF", x, self.gate, self.gate_lora, self.matmul_kernel)
+    u = project("BTD,DF->BTF", x, self.up, self.up_lora, self.matmul_kernel)
     # HF "gelu_pytorch_tanh" is the tanh approximation, which jax.nn.gelu computes by default.
     act = jax.nn.silu(g) if self.activation == "silu" else jax.nn.gelu(g, approximate=True)
     h = logical_constraint(act * u, ("batch", "length", "act_mlp"))
-    return project("BTF,FD->BTD", h, self.down, self.down_lora)
+    return project("BTF,FD->BTD", h, self.down, self.down_lora, self.matmul_kernel)

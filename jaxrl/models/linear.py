@@ -60,19 +60,26 @@ def make_adapters(cfg: ModelConfig, rngs: nnx.Rngs, shapes: dict) -> dict[str, L
   }
 
 
-def project(eq: str, x: jax.Array, w: nnx.Param, adapter: LoRA | None = None) -> jax.Array:
+def project(
+  eq: str,
+  x: jax.Array,
+  w: nnx.Param,
+  adapter: LoRA | None = None,
+  kernel: tuple[str, bool] = ("reference", False),
+) -> jax.Array:
   """x through the projection `w` (einsum `eq`, e.g. "BTD,DNH->BTNH"), plus its adapter if any.
 
   The adapter goes through the rank R bottleneck, (x A) B, so the merged weight W + A B is never
   built on the forward: that would cost a full weight's memory and FLOPs every step.
   A `jaxrl.quant.QArray` or `BlockQArray` weight (quantized rollouts) runs as a W8A8 einsum
   (int8 or fp8), a `FakeQuant` one (the learner's fake quantization) as the same einsum with
-  straight-through gradients; the adapter stays float.
+  straight-through gradients; the adapter stays float. `kernel` = (ModelConfig.matmul_kernel,
+  kernel_interpret): how a per-channel quantized weight's product runs (`quantized_einsum`).
   """
   dt = x.dtype
   value = w.get_value()
   if isinstance(value, QArray | BlockQArray):
-    y = quantized_einsum(eq, x, value)
+    y = quantized_einsum(eq, x, value, impl=kernel[0], interpret=kernel[1])
   elif isinstance(value, FakeQuant):
     y = fake_quant_einsum(eq, x, value)
   else:

@@ -3,6 +3,7 @@ router z-losses."""
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -10,6 +11,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
+from jaxrl.kernels.grouped_matmul import grouped_matmul
 from jaxrl.mesh import EXPERT_AXIS
 from jaxrl.models.config import ModelConfig
 from jaxrl.models.linear import param
@@ -60,14 +62,22 @@ def replay_route(
   return jnp.where(recorded, weights, own_weights), experts
 
 
-def _swiglu_ragged(x, gate, up, down, group_sizes):
-  """Each row of x [R, D] (rows sorted by expert) through its expert's SwiGLU -> [R, D]."""
-  g = jax.lax.ragged_dot(x, gate, group_sizes)  # [R, F]
-  u = jax.lax.ragged_dot(x, up, group_sizes)
-  return jax.lax.ragged_dot(jax.nn.silu(g) * u, down, group_sizes)
+def _swiglu_ragged(x, gate, up, down, group_sizes, kernel=("reference", False)):
+  """Each row of x [R, D] (rows sorted by expert) through its expert's SwiGLU -> [R, D].
+
+  kernel = (ModelConfig.moe_kernel, kernel_interpret): "reference" is `jax.lax.ragged_dot`,
+  anything else `jaxrl.kernels.grouped_matmul` (whose own reference is ragged_dot too)."""
+  impl, interpret = kernel
+  if impl == "reference":
+    dot = functools.partial(jax.lax.ragged_dot, group_sizes=group_sizes)
+  else:
+    dot = functools.partial(grouped_matmul, group_sizes=group_sizes, impl=impl, interpret=interpret)
+  g = dot(x, gate)  # [R, F]
+  u = dot(x, up)
+  return dot(jax.nn.silu(g) * u, down)
 
 
-def moe_dispatch(x, weights, experts, gate, up, down) -> jax.Array:
+def moe_dispatch(x, weights, experts, gate, up, down, kernel=("reference", False)) -> jax.Array:
   """Sparse MoE: each token runs only through its k experts, grouped with `jax.lax.ragged_dot`.
 
   x: [..., D]; weights, experts: [..., k]; gate, up: [E, D, F]; down: [E, F, D] -> [..., D].
@@ -81,7 +91,7 @@ def moe_dispatch(x, weights, experts, gate, up, down) -> jax.Array:
   rows = x.reshape(-1, d)[order // k]  # [R, D], row r is assignment order[r]
   group_sizes = jnp.bincount(flat_experts, length=e).astype(jnp.int32)  # [E]
   gate, up, down = (w.astype(x.dtype) for w in (gate, up, down))
-  y = _swiglu_ragged(rows, gate, up, down, group_sizes)  # [R, D]
+  y = _swiglu_ragged(rows, gate, up, down, group_sizes, kernel)  # [R, D]
   y = jnp.zeros_like(y).at[order].set(y)  # back to assignment order
   y = y.reshape(*lead, k, d).astype(jnp.float32)
   out = jnp.sum(y * weights[..., None].astype(jnp.float32), axis=-2)
@@ -96,7 +106,7 @@ def expert_parallel_size(mesh=None) -> int:
   return dict(mesh.shape)[EXPERT_AXIS]
 
 
-def moe_dispatch_ep(x, weights, experts, gate, up, down) -> jax.Array:
+def moe_dispatch_ep(x, weights, experts, gate, up, down, kernel=("reference", False)) -> jax.Array:
   """`moe_dispatch` with expert parallelism over the context mesh's expert axis (shard_map).
 
   Each device holds E / n of the experts (n = the expert axis size) and a 1 / (data * fsdp * n)
@@ -137,7 +147,10 @@ def moe_dispatch_ep(x, weights, experts, gate, up, down) -> jax.Array:
     order = jnp.argsort(recv_e, stable=True)  # empty slots (id local_e) sort last
     sizes = jnp.bincount(recv_e, length=local_e + 1)[:local_e].astype(jnp.int32)
     y = _swiglu_ragged(
-      recv.reshape(-1, d)[order], *(a.astype(tok.dtype) for a in (gate, up, down)), sizes
+      recv.reshape(-1, d)[order],
+      *(a.astype(tok.dtype) for a in (gate, up, down)),
+      sizes,
+      kernel,
     )
     y = jnp.zeros_like(y).at[order].set(y).reshape(n, r, d)  # rows past the groups are 0
     back = jax.lax.all_to_all(y, EXPERT_AXIS, 0, 0)  # back[i]: my rows, done by device i
@@ -217,6 +230,7 @@ class MoEMLP(nnx.Module):
     )
     self.top_k = cfg.experts_per_token
     self.renormalize = cfg.norm_topk_prob
+    self.kernel = (cfg.moe_kernel, cfg.kernel_interpret)
 
   def __call__(self, x, routes=None):
     """x: [B, T, D] -> [B, T, D]; sows `Routing` (the router's own top-k experts, its logits).
@@ -235,4 +249,4 @@ class MoEMLP(nnx.Module):
     # On a mesh with an expert axis, tokens travel to their experts' devices (all-to-all);
     # elsewhere every device runs the experts it is handed (GSPMD gathers what it lacks).
     dispatch = moe_dispatch_ep if expert_parallel_size() > 1 else moe_dispatch
-    return dispatch(x, weights, experts, self.gate[...], self.up[...], self.down[...])
+    return dispatch(x, weights, experts, self.gate[...], self.up[...], self.down[...], self.kernel)

@@ -12,6 +12,7 @@ from jaxrl.data import word_problems
 from jaxrl.data.arithmetic import ArithmeticTask
 from jaxrl.data.chain import ChainSumTask
 from jaxrl.data.jsonl import JsonlTask
+from jaxrl.kernels import KERNELS
 from jaxrl.mesh import Rules, shard_params
 from jaxrl.models.config import ModelConfig, from_preset
 from jaxrl.models.hf import load_hf_checkpoint
@@ -44,7 +45,11 @@ def build_model(
   straight into its shardings (model.path), or a preset initialised from `seed`. With
   model.lora_rank the model carries fresh adapters (B = 0: it starts equal to the base)."""
   lora = lora_options(model)
-  execution = dict(scan_layers=model.scan_layers, remat=model.remat)
+  execution = dict(
+    scan_layers=model.scan_layers,
+    remat=model.remat,
+    **{name: getattr(model, name) for name in (*KERNELS, "kernel_interpret")},
+  )
   if model.path:
     if not (Path(model.path) / "config.json").is_file():
       raise ConfigError(

@@ -108,12 +108,15 @@ def test_model_from_preset_and_from_hf_dir(hf_dir):
   assert cfg.lora_rank == 4 and cfg.lora_targets == ("q", "v") and cfg.max_seq_len == 384
   assert not cfg.scan_layers and cfg.remat == "none"
   # How the forward runs reaches the model from either source; the params are the same.
-  run_opts = {"scan_layers": True, "remat": "full"}
+  run_opts = {"scan_layers": True, "remat": "full", "attention_kernel": "pallas_tpu"}
+  run_opts |= {"moe_kernel": "pallas_tpu", "kernel_interpret": True}
   for source in ({"preset": "tiny"}, {"path": str(hf_dir)}):
     section = validate({"model": {**source, **run_opts}}).model
     tok = components.build_tokenizer(section)
     scanned, _, scanned_params = components.build_model(section, tok, mesh, rules, seed=0)
     assert scanned.scan_layers and scanned.remat == "full", source
+    assert (scanned.attention_kernel, scanned.moe_kernel) == ("pallas_tpu", "pallas_tpu")
+    assert scanned.matmul_kernel == "reference" and scanned.kernel_interpret
     plain = validate({"model": source}).model
     _, _, plain_params = components.build_model(plain, tok, mesh, rules, seed=0)
     assert jax.tree.structure(scanned_params) == jax.tree.structure(plain_params)
