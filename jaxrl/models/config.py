@@ -274,6 +274,12 @@ class ModelConfig:
     )
 
   @classmethod
+  def arith_small_moe(cls, vocab_size: int = 259) -> ModelConfig:
+    """`arith_small` with a Qwen3-MoE-shaped MLP: 8 experts of width 96, top 2 (renormalised),
+    so each token runs half the dense model's MLP width out of twice its MLP parameters."""
+    return cls.arith_small(vocab_size).replace(num_experts=8, experts_per_token=2, moe_mlp_dim=96)
+
+  @classmethod
   def qwen3_0p6b(cls) -> ModelConfig:
     """Qwen/Qwen3-0.6B."""
     return cls(
@@ -498,6 +504,7 @@ PRESETS = {
   "tiny": ModelConfig.tiny,
   "tiny_moe": ModelConfig.tiny_moe,
   "arith_small": ModelConfig.arith_small,
+  "arith_small_moe": ModelConfig.arith_small_moe,
   "qwen3_0p6b": ModelConfig.qwen3_0p6b,
   "llama3p2_1b": ModelConfig.llama3p2_1b,
   "gemma3_1b": ModelConfig.gemma3_1b,

@@ -79,3 +79,15 @@ def test_llama3p2_3b_rope_scaling_matches_1b():
   scaling = ModelConfig.llama3p2_3b().rope_scaling
   assert (scaling.factor, scaling.low_freq_factor, scaling.high_freq_factor) == (32.0, 1.0, 4.0)
   assert scaling.original_max_position == 8192
+
+
+def test_arith_small_moe_is_arith_small_with_experts_in_the_mlp():
+  dense, moe = ModelConfig.arith_small(), ModelConfig.arith_small_moe()
+  assert moe.replace(num_experts=0, experts_per_token=0, moe_mlp_dim=0) == dense
+  layers, d, e, f = dense.num_layers, dense.embed_dim, moe.num_experts, moe.moe_mlp_dim
+  # Each layer's dense MLP (gate, up, down) is replaced by a router and e experts of width f.
+  want = (
+    _abstract_param_count(dense) - layers * 3 * d * dense.mlp_dim + layers * (d * e + e * 3 * d * f)
+  )
+  assert _abstract_param_count(moe) == want
+  assert moe.experts_per_token * f == dense.mlp_dim // 2  # half the active MLP width per token
