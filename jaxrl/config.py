@@ -88,7 +88,8 @@ class ModelSection:
     "reference",
     choices=KERNELS["attention_kernel"],
     help="the rollout engine's paged attention: 'reference' (jnp, gathers each sequence's "
-    "pages) or the Pallas kernel that reads pages in place ('pallas_tpu'; jaxrl.kernels)",
+    "pages) or a Pallas kernel that reads pages in place: 'pallas_tpu' (Mosaic TPU) or "
+    "'pallas_gpu' (JAX's Triton decode kernel; decode steps of full-attention layers)",
   )
   moe_kernel: str = _field(
     "reference",

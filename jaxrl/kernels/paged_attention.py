@@ -9,8 +9,11 @@ runs masked dot attention in that layout, so no step transposes the keys (with p
 [P, page_size, K, H] the gather came out interleaved and XLA fused a transpose into every copy:
 about a quarter of a small model's decode step on a CPU). It works on every backend;
 `paged_attention` is the one call site: `impl="pallas_tpu"` runs a Pallas kernel that reads each
-page in place through the page table (`paged_attention_pallas`), `auto` the reference (the
-kernel has not been compiled on a TPU yet; it is tested through the Pallas interpreter).
+page in place through the page table (`paged_attention_pallas`); `impl="pallas_gpu"` runs JAX's
+own Triton paged-attention kernel (`jax.experimental.pallas.ops.gpu.paged_attention`, same page
+layout) for decode steps (`paged_attention_gpu`); `auto` the reference (neither kernel has been
+compiled on an accelerator by this project yet; both are tested through the Pallas
+interpreter).
 
 An fp8 cache (pages of float8_e4m3fn, `PagedKV.k_scale` / `v_scale` per kv head) stores each
 key and value divided by its head's scale, saturated at the format's largest value. Reading it
@@ -29,7 +32,7 @@ from jax.experimental import pallas as pl
 
 from jaxrl.kernels.attention import dot_attention
 
-IMPLS = ("auto", "reference", "pallas_tpu")
+IMPLS = ("auto", "reference", "pallas_tpu", "pallas_gpu")
 
 
 class PagedKV(NamedTuple):
@@ -123,6 +126,10 @@ def paged_attention(
     return paged_attention_pallas(
       q, cache, q_positions, window=window, soft_cap=soft_cap, scale=scale, interpret=interpret
     )
+  if impl == "pallas_gpu" and q.shape[1] == 1 and window is None:
+    return paged_attention_gpu(q, cache, soft_cap=soft_cap, scale=scale, interpret=interpret)
+  # "pallas_gpu" covers decode steps of full-attention layers; a sliding-window layer or a
+  # multi-token call (T > 1) runs the reference.
   # "auto" stays the reference until the kernel has run on a TPU.
   return paged_attention_reference(
     q,
@@ -260,3 +267,50 @@ def paged_attention_pallas(
     interpret=interpret,
   )(cache.page_table, cache.lengths, qr, pos, cache.k_pages, cache.v_pages)
   return jnp.moveaxis(out.reshape(b, kh, t, g, h), 1, 2).reshape(b, t, n, h)
+
+
+def _largest_divisor(n: int, cap: int) -> int:
+  return max(d for d in range(1, min(n, cap) + 1) if n % d == 0)
+
+
+def paged_attention_gpu(
+  q: jax.Array,
+  cache: PagedKV,
+  *,
+  soft_cap: float | None = None,
+  scale: float | None = None,
+  interpret: bool = False,
+) -> jax.Array:
+  """One decode step (q [B, 1, N, H], each row's query at its newest key: it sees keys
+  [0, lengths)) through JAX's Triton paged-attention kernel, which reads the pages in place
+  through the page table, splitting each sequence's pages into up to 16 partitions combined by
+  a final flash-decoding reduction. The kernel does not scale q, so q arrives scaled. 8-bit
+  pages go in with unit per-token scales, which makes the kernel upcast each page block before
+  its dot (a [K, P, page_size] float32 array of ones: 4 / H of the pages' bytes)."""
+  from jax.experimental.pallas.ops.gpu import paged_attention as triton_paged
+
+  b, t, n, h = q.shape
+  if t != 1:
+    raise ValueError(f"paged_attention_gpu decodes one position per row, got T={t}")
+  m = cache.page_table.shape[1]
+  k_splits = _largest_divisor(m, 16)
+  per_block = _largest_divisor(m // k_splits, 8)
+  scales = None
+  if jnp.dtype(cache.k_pages.dtype).itemsize == 1:
+    scales = jnp.ones(cache.k_pages.shape[:3], jnp.float32)
+  qs = q[:, 0] * jnp.asarray(h**-0.5 if scale is None else scale, q.dtype)
+  out = triton_paged.paged_attention(
+    qs,
+    cache.k_pages,
+    cache.v_pages,
+    cache.page_table,
+    cache.lengths.astype(jnp.int32),
+    scales,
+    scales,
+    block_h=16,
+    pages_per_compute_block=per_block,
+    k_splits=k_splits,
+    interpret=interpret,
+    attn_logits_soft_cap=soft_cap,
+  )
+  return out[:, None].astype(q.dtype)

@@ -25,6 +25,16 @@ def _case(seed, b=3, t=1):
   return q, k_pages, v_pages, table, lengths, q_pos
 
 
+def _fp8_pages(pages, spread: float):
+  """float8_e4m3fn pages and a float32 scale per kv head ([K]) that fits each head's values
+  (the heads' ranges made to differ by `spread`): x ~= stored * scale, nothing saturated."""
+  pages = pages * np.array([1.0, spread], np.float32)[:, None, None, None]
+  scale = np.abs(pages).max(axis=(1, 2, 3)) / 400.0
+  stored = (pages / scale[:, None, None, None]).astype(ml_dtypes.float8_e4m3fn)
+  assert np.all(np.isfinite(stored.astype(np.float32)))
+  return stored, scale.astype(np.float32)
+
+
 def _gathered(k_pages, table):
   b = table.shape[0]
   # [B, S, K, H] in position order: row b's block m is page table[b, m] of every head.
@@ -134,15 +144,50 @@ def test_pallas_kernel_reads_pages_in_place_like_the_reference(t, window, soft_c
   np.testing.assert_array_equal(again, got)
 
 
+@pytest.mark.parametrize("soft_cap", [None, 2.5])
+@pytest.mark.parametrize("fp8", [False, True])
+def test_triton_kernel_decodes_like_the_reference(soft_cap, fp8):
+  # JAX's Triton paged-attention kernel (impl="pallas_gpu") through the Pallas interpreter, on
+  # a decode step: GQA, ragged lengths (one row a single key, one all M pages), q pre-scaled.
+  q, kp, vp, table, lengths, q_pos = _case(5, t=1)
+  k_scale = v_scale = None
+  if fp8:
+    kp, k_scale = _fp8_pages(kp, 2.0)
+    vp, v_scale = _fp8_pages(vp, 0.5)
+    k_scale, v_scale = jnp.asarray(k_scale), jnp.asarray(v_scale)
+  cache = PagedKV(*map(jnp.asarray, (kp, vp, table, lengths)), k_scale, v_scale)
+  args = (jnp.asarray(q), cache, jnp.asarray(q_pos))
+  want = np.asarray(paged_attention(*args, impl="reference", soft_cap=soft_cap, scale=0.3))
+  got = np.asarray(
+    paged_attention(*args, impl="pallas_gpu", interpret=True, soft_cap=soft_cap, scale=0.3)
+  )
+  assert np.all(np.isfinite(want))
+  np.testing.assert_allclose(got, want, atol=2e-6, rtol=1e-5)
+  # An idle slot (length 0) gives zeros, not NaN.
+  idle = cache._replace(lengths=jnp.asarray(np.array([0, 11, 20], np.int32)))
+  out = np.asarray(paged_attention(args[0], idle, args[2], impl="pallas_gpu", interpret=True))
+  assert np.all(np.isfinite(out)) and np.all(out[0] == 0)
+
+
+@pytest.mark.parametrize("t, window", [(3, None), (1, 3)])
+def test_triton_impl_runs_the_reference_where_the_kernel_does_not_apply(t, window):
+  # The Triton kernel decodes one position per row over every key before it: a prefill chunk
+  # (T > 1) or a sliding-window layer runs the reference.
+  q, kp, vp, table, lengths, q_pos = _case(6, t=t)
+  cache = PagedKV(*map(jnp.asarray, (kp, vp, table, lengths)))
+  args = (jnp.asarray(q), cache, jnp.asarray(q_pos))
+  want = np.asarray(paged_attention(*args, impl="reference", window=window))
+  got = np.asarray(paged_attention(*args, impl="pallas_gpu", interpret=True, window=window))
+  np.testing.assert_array_equal(got, want)
+
+
 @pytest.mark.parametrize("impl", ["reference", "pallas_tpu"])
 def test_fp8_pages_attend_as_their_dequantized_values(impl):
   # Pages of float8_e4m3fn with a scale per kv head: attention equals float attention over the
   # dequantized pages (scale * stored value); the scales fold into q and the output.
   q, kp, vp, table, lengths, q_pos = _case(4, t=2)
-  k_scale = np.array([0.01, 0.003], np.float32)
-  v_scale = np.array([0.02, 0.005], np.float32)
-  kq = (kp / k_scale[:, None, None, None]).astype(ml_dtypes.float8_e4m3fn)
-  vq = (vp / v_scale[:, None, None, None]).astype(ml_dtypes.float8_e4m3fn)
+  kq, k_scale = _fp8_pages(kp, 2.0)
+  vq, v_scale = _fp8_pages(vp, 0.5)
   deq = lambda x, s: x.astype(np.float32) * s[:, None, None, None]  # noqa: E731
   args = (jnp.asarray(table), jnp.asarray(lengths))
   fp8 = PagedKV(jnp.asarray(kq), jnp.asarray(vq), *args, jnp.asarray(k_scale), jnp.asarray(v_scale))
@@ -150,6 +195,7 @@ def test_fp8_pages_attend_as_their_dequantized_values(impl):
   kw = dict(impl=impl, interpret=impl == "pallas_tpu", soft_cap=2.5)
   got = paged_attention(jnp.asarray(q), fp8, jnp.asarray(q_pos), **kw)
   want = paged_attention(jnp.asarray(q), flt, jnp.asarray(q_pos), **kw)
+  assert np.all(np.isfinite(np.asarray(want)))
   np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-6, rtol=1e-5)
 
 

@@ -33,6 +33,7 @@ def pallas_calls(monkeypatch):
   counts = {"attention": 0, "moe": 0, "matmul": 0}
   for key, mod, name in [
     ("attention", paged, "paged_attention_pallas"),
+    ("attention", paged, "paged_attention_gpu"),
     ("moe", gmm, "_pallas"),
     ("matmul", qmm, "_pallas"),
   ]:
@@ -98,12 +99,14 @@ def _requests(temperature):
   ]
 
 
-@pytest.mark.parametrize("kv_dtype", ["auto", "fp8"])
+@pytest.mark.parametrize(
+  "impl, kv_dtype", [("pallas_tpu", "auto"), ("pallas_tpu", "fp8"), ("pallas_gpu", "auto")]
+)
 def test_engine_with_the_paged_attention_kernel_decodes_what_the_reference_does(
-  kv_dtype, pallas_calls
+  impl, kv_dtype, pallas_calls
 ):
   cfg, graphdef, params = tiny_model()
-  kcfg = cfg.replace(attention_kernel="pallas_tpu", **INTERPRET)
+  kcfg = cfg.replace(attention_kernel=impl, **INTERPRET)
   runs = {}
   for name, (c, g) in {"ref": (cfg, graphdef), "kernel": (kcfg, graphdef_of(kcfg))}.items():
     driver = Driver(_engine(c, g, kv_dtype), steps_per_call=3, eos_id=None)
