@@ -29,6 +29,7 @@ run carries the same sequences.
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 import math
 from collections.abc import Callable
@@ -49,16 +50,51 @@ class Member:
   versions: list[int] = dataclasses.field(default_factory=list)
   key: list[int] = dataclasses.field(default_factory=list)  # [2] uint32 key data once started
   reason: str | None = None  # the finish reason; None while in flight
-  routes: list | None = None  # captured MoE routes of every fed position (Completion.routes)
+  # Captured MoE routes of every fed position (Completion.routes, [positions, L, k]), kept as
+  # the narrowest integer array that holds them (int8 up to 127 experts): a Python list would
+  # cost ~36 bytes per expert id, and a long sequence of a deep model carries L * k per token.
+  routes: np.ndarray | None = None
 
   def update(self, c: Completion) -> None:
     self.tokens, self.logprobs = c.tokens.tolist(), c.logprobs.tolist()
     self.versions, self.key = c.versions.tolist(), c.key.tolist()
-    self.routes = None if c.routes is None else c.routes.tolist()
+    self.routes = None if c.routes is None else _narrow(c.routes)
     self.reason = None if c.finish_reason == "abort" else c.finish_reason
 
   def route_array(self) -> np.ndarray | None:
-    return None if self.routes is None else np.asarray(self.routes, np.int32)
+    return None if self.routes is None else self.routes.astype(np.int32)
+
+  def to_json(self) -> dict:
+    """JSON-ready fields; routes as {"dtype", "shape", "b64"} of their bytes (little-endian),
+    about a quarter of the size of nested lists of ints."""
+    out = dict(vars(self))
+    if self.routes is not None:
+      r = np.ascontiguousarray(self.routes, self.routes.dtype.newbyteorder("<"))
+      out["routes"] = {
+        "dtype": r.dtype.name,
+        "shape": list(r.shape),
+        "b64": base64.b64encode(r.tobytes()).decode("ascii"),
+      }
+    return out
+
+  @classmethod
+  def from_json(cls, d: dict) -> Member:
+    d = dict(d)
+    routes = d.get("routes")
+    if isinstance(routes, dict):
+      dtype = np.dtype(routes["dtype"]).newbyteorder("<")
+      flat = np.frombuffer(base64.b64decode(routes["b64"]), dtype)
+      d["routes"] = flat.reshape(routes["shape"]).astype(dtype.newbyteorder("="))
+    elif routes is not None:  # nested lists (checkpoints written before the compact form)
+      d["routes"] = _narrow(np.asarray(routes, np.int32))
+    return cls(**d)
+
+
+def _narrow(routes: np.ndarray) -> np.ndarray:
+  """Expert ids (-1 = none) in int8 when they fit, else int16."""
+  routes = np.asarray(routes)
+  fits = routes.size == 0 or int(routes.max()) <= np.iinfo(np.int8).max
+  return routes.astype(np.int8 if fits else np.int16)
 
 
 @dataclasses.dataclass
@@ -202,7 +238,11 @@ class PartialRollouts:
       "next_uid": self.next_uid,
       "pending": list(self.pending),
       "groups": [
-        {"uid": group.uid, "record": group.record, "members": [vars(m) for m in group.members]}
+        {
+          "uid": group.uid,
+          "record": group.record,
+          "members": [m.to_json() for m in group.members],
+        }
         for group in self.groups
       ],
     }
@@ -212,10 +252,10 @@ class PartialRollouts:
       self.next_uid = int(state["next_uid"])
       self.pending = list(state["pending"])
       self.groups = [
-        Group(int(g["uid"]), g["record"], [Member(**m) for m in g["members"]])
+        Group(int(g["uid"]), g["record"], [Member.from_json(m) for m in g["members"]])
         for g in state["groups"]
       ]
-    except (KeyError, TypeError) as e:
+    except (KeyError, TypeError, ValueError) as e:
       raise ValueError(f"checkpoint's partial-rollout state is malformed: {e!r}") from e
     for group in self.groups:
       if len(group.members) != self.group_size:

@@ -11,7 +11,7 @@ import pytest
 from helpers import tiny_model
 
 from jaxrl.models.transformer import token_logprobs
-from jaxrl.rl.partial import PartialRollouts
+from jaxrl.rl.partial import Member, PartialRollouts
 from jaxrl.rollout.collect import GroupSampler
 from jaxrl.rollout.sampling import SamplingParams
 from jaxrl.rollout.types import FINISH_REASONS
@@ -166,3 +166,24 @@ def test_a_checkpoint_of_another_group_size_is_refused():
     PartialRollouts(_sampler(), _encode, rl=other).load_state_dict(state)
   with pytest.raises(ValueError, match="malformed"):
     PartialRollouts(_sampler(), _encode, rl=_rl()).load_state_dict({"groups": []})
+
+
+@pytest.mark.parametrize("experts", [8, 300])
+def test_member_routes_round_trip_json_compactly(experts):
+  # Routes [positions, L, k] (-1 = not fed) are kept in the narrowest int dtype and written as
+  # base64 bytes: the same array comes back, at a fraction of a nested list's JSON size.
+  rng = np.random.default_rng(0)
+  routes = rng.integers(-1, experts, size=(37, 4, 2)).astype(np.int32)
+  fields = dict(tokens=[5, 6], logprobs=[-0.5, -1.25], versions=[0, 1], key=[1, 2])
+  # Nested lists (how checkpoints before the compact form stored them) load, narrowed.
+  m = Member.from_json({**fields, "routes": routes.tolist()})
+  narrow = np.int8 if experts <= 127 else np.int16
+  assert m.routes.dtype == narrow
+  text = json.dumps(m.to_json())
+  back = Member.from_json(json.loads(text))
+  assert back.routes.dtype == narrow and back.route_array().dtype == np.int32
+  np.testing.assert_array_equal(back.route_array(), routes)
+  assert (back.tokens, back.logprobs, back.key) == (m.tokens, m.logprobs, m.key)
+  assert len(text) < 0.7 * len(json.dumps(routes.tolist()))
+  with pytest.raises(ValueError):  # 1 byte where 3 int8s were promised
+    Member.from_json({**fields, "routes": {"dtype": "int8", "shape": [3], "b64": "AA=="}})
