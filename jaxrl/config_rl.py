@@ -187,11 +187,12 @@ class RolloutConfig:
   )
   quantize: str = _field(
     "none",
-    choices=("none", "int8", "fp8", "fp8_e5m2", "fp8_block", "fp4"),
+    choices=("none", "int8", "fp8", "fp8_e5m2", "fp8_block", "fp4", "nvfp4"),
     help="sample from a W8A8 copy of the policy made at every step (jaxrl.quant): int8 or "
     "fp8 (float8_e4m3fn) per output channel, fp8_e5m2, fp8_block (e4m3 in 128 x 128 weight "
-    "blocks), or fp4 (research: float4_e2m1fn with a scale per 16 inputs, upcast before the "
-    "dot); the sampler-learner gap shows in rl/logprob_gap, rl.offpolicy.is_correction "
+    "blocks), fp4 (research: float4_e2m1fn with a float32 scale per 16 inputs, upcast before "
+    "the dot) or nvfp4 (fp4 with NVFP4's e4m3 block scales under a float32 scale per weight / "
+    "token); the sampler-learner gap shows in rl/logprob_gap, rl.offpolicy.is_correction "
     "corrects it",
   )
   learner_fake_quant: bool = _field(

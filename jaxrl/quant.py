@@ -12,6 +12,10 @@ Modes (`QUANT_MODES`, config rl.rollout.quantize):
              each weight column and of each activation row, NVFP4's block layout with the
              scales kept in float32; no backend here has fp4 dots, so both operands are upcast
              to float32 before the dot (accuracy studies, not speed)
+  nvfp4      (research) fp4 as NVIDIA's NVFP4 stores it: the same e2m1 values and 16-input
+             blocks, each block scale itself a float8_e4m3fn, times one float32 scale per
+             weight (per token for activations) that brings the block scales into e4m3's range;
+             the scales' own rounding (3 mantissa bits) adds to the error of fp4
 fp8 values saturate: the scale maps a slice's largest magnitude to the format's largest finite
 value and the scaled values are clipped there before the cast, so no input (however large)
 becomes inf or NaN (a float8_e4m3fn cast of anything past 448 is NaN). fp8 dots run on any
@@ -34,7 +38,7 @@ from jaxrl.kernels.contract import contract
 from jaxrl.kernels.quant_matmul import quant_matmul
 
 _QMAX = 127.0  # symmetric int8: -128 is never used, so negation stays exact
-QUANT_MODES = ("int8", "fp8", "fp8_e5m2", "fp8_block", "fp4")
+QUANT_MODES = ("int8", "fp8", "fp8_e5m2", "fp8_block", "fp4", "nvfp4")
 # mode -> (value dtype, weight block (input edge, output edge); None = per output channel).
 _MODES = {
   "int8": (jnp.int8, None),
@@ -42,7 +46,11 @@ _MODES = {
   "fp8_e5m2": (jnp.float8_e5m2, None),
   "fp8_block": (jnp.float8_e4m3fn, (128, 128)),
   "fp4": (jnp.float4_e2m1fn, (16, 1)),
+  "nvfp4": (jnp.float4_e2m1fn, (16, 1)),
 }
+# Modes whose block scales are themselves stored in a narrow float, under a float32 scale per
+# weight (per row of activations): mode -> the block scales' dtype.
+_SCALE_DTYPES = {"nvfp4": jnp.float8_e4m3fn}
 FP8_DTYPES = (jnp.float8_e4m3fn, jnp.float8_e5m2)
 FP4_DTYPES = (jnp.float4_e2m1fn,)
 
@@ -79,19 +87,26 @@ class QArray(NamedTuple):
 
 @functools.partial(
   jax.tree_util.register_dataclass,
-  data_fields=("values", "scale"),
+  data_fields=("values", "scale", "tensor_scale"),
   meta_fields=("block", "in_ndim"),
 )
 @dataclasses.dataclass(frozen=True)
 class BlockQArray:
   """A weight W [*in, *out] in blocks: W viewed as a [K, N] matrix (K = prod(in), N =
   prod(out)) is cut into block[0] x block[1] tiles (the last ones short where the edges do not
-  divide), each with its own float32 scale: W[k, n] ~= values[k, n] * scale[k // bk, n // bn]."""
+  divide), each with its own scale: W[k, n] ~= values[k, n] * scale[k // bk, n // bn], times
+  `tensor_scale` where the block scales are stored narrow (nvfp4: e4m3 block scales)."""
 
-  values: jax.Array  # fp8 (or int8), W's shape
-  scale: jax.Array  # float32 [ceil(K / bk), ceil(N / bn)]
+  values: jax.Array  # fp8 / fp4 (or int8), W's shape
+  scale: jax.Array  # float32 (or e4m3 under a tensor_scale) [ceil(K / bk), ceil(N / bn)]
   block: tuple[int, int]
   in_ndim: int
+  tensor_scale: jax.Array | None = None  # float32 [] with narrow block scales, else None
+
+  def block_scales(self) -> jax.Array:
+    """The float32 scale of each block, tensor scale included."""
+    scale = self.scale.astype(jnp.float32)
+    return scale if self.tensor_scale is None else scale * self.tensor_scale
 
   @property
   def shape(self) -> tuple[int, ...]:
@@ -129,6 +144,28 @@ def _symmetric(x: jax.Array, axes: tuple[int, ...], dtype=jnp.int8) -> tuple[jax
   return values, scale
 
 
+def _two_level(
+  x: jax.Array, axes: tuple[int, ...], outer_axes: tuple[int, ...], dtype, scale_dtype
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """NVFP4-style scaling of x: (values of `dtype`, block scales of `scale_dtype` with `axes`
+  kept as size 1, float32 outer scale with `outer_axes` (a superset of `axes`) kept). The outer
+  scale maps x's largest magnitude over `outer_axes` to qmax(dtype) * qmax(scale_dtype), so the
+  largest block's scale is the scale format's largest value; each block scale (its max / qmax,
+  in outer-scale units) is then rounded to `scale_dtype`, and the values divided by the rounded
+  product, clipped (a block scale that rounded down saturates its largest value) and cast."""
+  qmax, smax = _qmax(dtype), _qmax(scale_dtype)
+  x32 = x.astype(jnp.float32)
+  mag = jnp.abs(x32)
+  outer = jnp.max(mag, axis=outer_axes, keepdims=True) * (1.0 / (qmax * smax))
+  outer_safe = jnp.where(outer > 0, outer, 1.0)
+  ratio = jnp.max(mag, axis=axes, keepdims=True) * (1.0 / qmax) / outer_safe
+  block = jnp.clip(ratio, 0.0, smax).astype(scale_dtype)
+  eff = block.astype(jnp.float32) * outer_safe
+  safe = jnp.where(eff > 0, eff, 1.0)
+  values = jnp.clip(x32 / safe, -qmax, qmax).astype(dtype)
+  return values, block, outer
+
+
 def _symmetric_int8(x: jax.Array, axes: tuple[int, ...]) -> tuple[jax.Array, jax.Array]:
   return _symmetric(x, axes, jnp.int8)
 
@@ -157,11 +194,16 @@ def _pad_to(x: jax.Array, axis: int, multiple: int) -> jax.Array:
 
 
 def quantize_blocks(
-  w: jax.Array, in_ndim: int, dtype=jnp.float8_e4m3fn, block: tuple[int, int] = (128, 128)
+  w: jax.Array,
+  in_ndim: int,
+  dtype=jnp.float8_e4m3fn,
+  block: tuple[int, int] = (128, 128),
+  scale_dtype=None,
 ) -> BlockQArray:
   """Blockwise symmetric quantization of W [*in, *out] seen as [K, N]: one scale per
   block[0] x block[1] tile (edge tiles are short; a block edge past the matrix's is the whole
-  edge)."""
+  edge). With `scale_dtype` the block scales are stored in it under one float32 tensor scale
+  (`_two_level`, NVFP4's layout)."""
   if not 0 < in_ndim < w.ndim:
     raise ValueError(f"in_ndim must be in [1, {w.ndim - 1}] for a weight of shape {w.shape}")
   if len(block) != 2 or min(block) < 1:
@@ -171,9 +213,14 @@ def quantize_blocks(
   w2 = _pad_to(_pad_to(w.reshape(k, n), 0, bk), 1, bn)  # zeros never raise a block's max
   gk, gn = w2.shape[0] // bk, w2.shape[1] // bn
   tiles = w2.reshape(gk, bk, gn, bn)
-  values, scale = _symmetric(tiles, (1, 3), dtype)
+  tensor_scale = None
+  if scale_dtype is None:
+    values, scale = _symmetric(tiles, (1, 3), dtype)
+  else:
+    values, scale, tensor_scale = _two_level(tiles, (1, 3), (0, 1, 2, 3), dtype, scale_dtype)
+    tensor_scale = tensor_scale.reshape(())
   values = values.reshape(gk * bk, gn * bn)[:k, :n].reshape(w.shape)
-  return BlockQArray(values, scale.reshape(gk, gn), (bk, bn), in_ndim)
+  return BlockQArray(values, scale.reshape(gk, gn), (bk, bn), in_ndim, tensor_scale)
 
 
 def dequantize(q: QArray | BlockQArray, dtype=jnp.float32) -> jax.Array:
@@ -181,7 +228,7 @@ def dequantize(q: QArray | BlockQArray, dtype=jnp.float32) -> jax.Array:
   if isinstance(q, BlockQArray):
     bk, bn = q.block
     k, n = math.prod(q.shape[: q.in_ndim]), math.prod(q.shape[q.in_ndim :])
-    scale = jnp.repeat(jnp.repeat(q.scale, bk, axis=0)[:k], bn, axis=1)[:, :n]
+    scale = jnp.repeat(jnp.repeat(q.block_scales(), bk, axis=0)[:k], bn, axis=1)[:, :n]
     w = q.values.astype(jnp.float32).reshape(k, n) * scale
     return w.reshape(q.shape).astype(dtype)
   return (q.values.astype(jnp.float32) * q.scale).astype(dtype)
@@ -201,16 +248,23 @@ def quantize_activations(
 
 
 def quantize_activation_groups(
-  x: jax.Array, group: int, dtype=jnp.float8_e4m3fn
+  x: jax.Array, group: int, dtype=jnp.float8_e4m3fn, scale_dtype=None
 ) -> tuple[jax.Array, jax.Array]:
   """Dynamic symmetric quantization of x [..., K] in groups of `group` along its last axis
   (the last group short when it does not divide): (values [..., K], float32 scale
-  [..., ceil(K / group)])."""
+  [..., ceil(K / group)]). With `scale_dtype` (nvfp4) each group's scale is rounded to it
+  under a float32 scale per row (`_two_level`; per token, so a token's numerics do not depend
+  on what else is in the batch), and the scale returned is their float32 product."""
   k = x.shape[-1]
   g = min(group, k)
   xp = _pad_to(x, x.ndim - 1, g)
   tiles = xp.reshape(*x.shape[:-1], xp.shape[-1] // g, g)
-  values, scale = _symmetric(tiles, (tiles.ndim - 1,), dtype)
+  if scale_dtype is None:
+    values, scale = _symmetric(tiles, (tiles.ndim - 1,), dtype)
+  else:
+    row = (tiles.ndim - 2, tiles.ndim - 1)
+    values, block, outer = _two_level(tiles, (tiles.ndim - 1,), row, dtype, scale_dtype)
+    scale = block.astype(jnp.float32) * jnp.where(outer > 0, outer, 1.0)
   values = values.reshape(xp.shape)[..., :k]
   _count_underflow(x, values)
   return values, scale[..., 0]
@@ -361,14 +415,15 @@ def _block_einsum(xs: str, contracted: str, x: jax.Array, q: BlockQArray) -> jax
   lead = x.shape[: x.ndim - n_in]
   k, n = math.prod(q.shape[:n_in]), math.prod(q.shape[n_in:])
   gk, gn = q.scale.shape
-  xq, x_scale = quantize_activation_groups(x.reshape(-1, k), bk, q.values.dtype)  # [M, K], [M, gk]
+  scale_dtype = None if q.tensor_scale is None else q.scale.dtype
+  xq, x_scale = quantize_activation_groups(x.reshape(-1, k), bk, q.values.dtype, scale_dtype)
   xq = _pad_to(xq, 1, bk).reshape(-1, gk, bk)
   wq = _pad_to(_pad_to(q.values.reshape(k, n), 0, bk), 1, bn).reshape(gk, bk, gn * bn)
   acc_type = jnp.int32 if q.values.dtype == jnp.int8 else jnp.float32
   if q.values.dtype in FP4_DTYPES:  # no fp4 dot on these backends: upcast (exactly) first
     xq, wq = xq.astype(jnp.float32), wq.astype(jnp.float32)
   part = jnp.einsum("mgk,gkn->mgn", xq, wq, preferred_element_type=acc_type)  # [M, gk, N']
-  w_scale = jnp.repeat(q.scale, bn, axis=1)  # [gk, N']
+  w_scale = jnp.repeat(q.block_scales(), bn, axis=1)  # [gk, N']
   y = jnp.sum(part.astype(jnp.float32) * x_scale[:, :, None] * w_scale[None], axis=1)
   return y[:, :n].reshape(*lead, *q.shape[n_in:]).astype(x.dtype)
 
@@ -447,7 +502,9 @@ def dequantize_activations(eq: str, x: jax.Array, mode: str) -> jax.Array:
     raise ValueError(f"a block-quantized weight needs x's contracted axes last, got {xs!r}")
   k = math.prod(x.shape[x.ndim - n_in :])
   group = min(block[0], k)
-  values, scale = quantize_activation_groups(x.reshape(-1, k), group, dtype)
+  values, scale = quantize_activation_groups(
+    x.reshape(-1, k), group, dtype, _SCALE_DTYPES.get(mode)
+  )
   scale = jnp.repeat(scale, group, axis=-1)[:, :k]
   return (values.astype(jnp.float32) * scale).reshape(x.shape).astype(x.dtype)
 
@@ -497,7 +554,7 @@ def quantize_weight(w: jax.Array, in_ndim: int, mode: str) -> QArray | BlockQArr
   dtype, block = _MODES[mode]
   if block is None:
     return quantize(w, in_ndim, dtype)
-  return quantize_blocks(w, in_ndim, dtype, block)
+  return quantize_blocks(w, in_ndim, dtype, block, _SCALE_DTYPES.get(mode))
 
 
 def quantize_params(params: nnx.State, mode: str = "int8") -> nnx.State:
@@ -573,4 +630,5 @@ def quantized_sharding(w, in_ndim: int, mode: str):
   replicated = jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec())
   bk, bn = _MODES[mode][1]
   k, n = math.prod(w.shape[:in_ndim]), math.prod(w.shape[in_ndim:])
-  return BlockQArray(sharding, replicated, (min(bk, k), min(bn, n)), in_ndim)
+  tensor_scale = replicated if mode in _SCALE_DTYPES else None
+  return BlockQArray(sharding, replicated, (min(bk, k), min(bn, n)), in_ndim, tensor_scale)

@@ -231,7 +231,7 @@ def test_fp8_forwards_stay_near_float_in_the_order_of_their_precision():
   assert gaps["fp8_e5m2"] <= 2.0**-2 * 0.75 and gaps["fp8_e5m2"] > gaps["fp8"]
 
 
-@pytest.mark.parametrize("mode", ["fp8", "fp4"])
+@pytest.mark.parametrize("mode", ["fp8", "fp4", "nvfp4"])
 def test_fp8_engine_matches_no_cache_fp8_reference(mode):
   graphdef, _, qparams = _fp8_model(mode)
   ref_tokens, ref_logp = greedy_reference(graphdef, qparams)
@@ -249,7 +249,7 @@ def test_fp8_engine_matches_no_cache_fp8_reference(mode):
   assert np.abs(np.stack([c.logprobs for c in done]) - ref_logp).max() <= 1e-5
 
 
-@pytest.mark.parametrize("mode", ["int8", "fp8", "fp8_block"])
+@pytest.mark.parametrize("mode", ["int8", "fp8", "fp8_block", "nvfp4"])
 def test_the_quantized_copy_is_laid_out_like_the_weight_it_replaces(mode):
   # fsdp x tensor over the 8 test devices: each quantized weight's values sit exactly where the
   # rules put the float weight, a per-channel scale follows its output axes, a block grid is
@@ -270,7 +270,9 @@ def test_the_quantized_copy_is_laid_out_like_the_weight_it_replaces(mode):
     spec = tuple(w.sharding.spec) + (None,) * (w.ndim - len(w.sharding.spec))
     split += any(s is not None for s in spec)
     in_ndim = PROJECTIONS[path[-1]]
-    want = () if mode == "fp8_block" else spec[in_ndim:]
+    want = () if mode in ("fp8_block", "nvfp4") else spec[in_ndim:]
+    if mode == "nvfp4":  # the float32 tensor scale is one replicated number
+      assert q.tensor_scale.shape == () and q.tensor_scale.sharding.is_fully_replicated
     assert tuple(q.scale.sharding.spec) + (None,) * (q.scale.ndim - len(q.scale.sharding.spec)) == (
       want + (None,) * (q.scale.ndim - len(want))
     ), path
@@ -368,7 +370,62 @@ def test_fp4_microscaled_blocks_bound_the_error_and_the_einsum_is_the_dequantize
   np.testing.assert_allclose(got, ref, rtol=0, atol=1e-5 * np.abs(ref).max())
 
 
-@pytest.mark.parametrize("mode", ["int8", "fp8_block", "fp4"])
+def _np_nvfp4(tiles, axes, outer_axes):
+  """numpy NVFP4 reference: the outer scale maps the max to 6 * 448, each block's scale (its max
+  / 6 in outer units) rounds to e4m3, values = x / (block * outer) clipped to 6, rounded to e2m1
+  (ml_dtypes' round-to-nearest-even casts)."""
+  mag = np.abs(tiles)
+  outer = mag.max(axis=outer_axes, keepdims=True) / (6.0 * 448.0)
+  outer = np.where(outer > 0, outer, 1.0).astype(np.float32)
+  ratio = (mag.max(axis=axes, keepdims=True) / 6.0 / outer).astype(np.float32)
+  block = np.clip(ratio, 0, 448).astype(ml_dtypes.float8_e4m3fn).astype(np.float32)
+  eff = block * outer
+  vals = np.clip(tiles / np.where(eff > 0, eff, 1.0), -6, 6).astype(ml_dtypes.float4_e2m1fn)
+  return vals.astype(np.float32), eff
+
+
+def test_nvfp4_block_scales_are_e4m3_under_a_float32_scale_and_match_numpy():
+  rng = np.random.default_rng(8)
+  w = rng.normal(size=(40, 9)).astype(np.float32)
+  w[3, 2] = 50.0
+  w[16:32, 5] = 0.0  # an all-zero block: scale 0, values 0, no NaN
+  q = quantize_weight(jnp.asarray(w), 1, "nvfp4")
+  assert isinstance(q, BlockQArray) and q.values.dtype == jnp.float4_e2m1fn
+  assert q.scale.dtype == jnp.float8_e4m3fn and q.tensor_scale.shape == ()
+  assert q.block == (16, 1) and q.scale.shape == (3, 9)
+  # The largest block's scale is e4m3's largest value, 448, so the format's range is used.
+  assert float(jnp.max(q.scale.astype(jnp.float32))) == 448.0
+  padded = np.pad(w, ((0, 8), (0, 0))).reshape(3, 16, 9, 1)
+  want_v, want_s = _np_nvfp4(padded, (1, 3), (0, 1, 2, 3))
+  np.testing.assert_array_equal(np.asarray(q.values, np.float32), want_v.reshape(48, 9)[:40])
+  np.testing.assert_allclose(np.asarray(q.block_scales()), want_s.reshape(3, 9), rtol=1e-6)
+  deq = np.asarray(dequantize(q))
+  assert np.all(np.isfinite(deq)) and np.all(deq[16:32, 5] == 0)
+  # fp4's float32 scales vs nvfp4's e4m3 ones: the scales' rounding (3 mantissa bits, 2**-4
+  # relative) makes nvfp4's error larger on average, never by more than that factor's worth.
+  fp4_err = np.abs(np.asarray(dequantize(quantize_weight(jnp.asarray(w), 1, "fp4"))) - w)
+  nv_err = np.abs(deq - w)
+  assert nv_err.mean() > fp4_err.mean() and nv_err.mean() < 1.5 * fp4_err.mean()
+  # Activations: e4m3 group scales under a float32 scale per row (token), as numpy gives them.
+  x = rng.normal(size=(2, 3, 40)).astype(np.float32)
+  x[0, 1] *= 100.0  # one loud token: it does not change the other tokens' scales
+  xv, xs = quantize_activation_groups(jnp.asarray(x), 16, jnp.float4_e2m1fn, jnp.float8_e4m3fn)
+  tiles = np.pad(x, ((0, 0), (0, 0), (0, 8))).reshape(2, 3, 3, 16)
+  want_xv, want_xs = _np_nvfp4(tiles, (3,), (2, 3))
+  np.testing.assert_array_equal(np.asarray(xv, np.float32), want_xv.reshape(2, 3, 48)[..., :40])
+  np.testing.assert_allclose(np.asarray(xs), want_xs[..., 0], rtol=1e-6)
+  quiet, _ = quantize_activation_groups(
+    jnp.asarray(x[1:]), 16, jnp.float4_e2m1fn, jnp.float8_e4m3fn
+  )
+  np.testing.assert_array_equal(np.asarray(quiet, np.float32), np.asarray(xv, np.float32)[1:])
+  # The einsum is the dot of the dequantized operands (upcast before the dot, as fp4's).
+  got = np.asarray(jax.jit(quantized_einsum, static_argnums=0)("BTD,DF->BTF", jnp.asarray(x), q))
+  x_hat = want_xv.reshape(2, 3, 48)[..., :40] * np.repeat(want_xs[..., 0], 16, axis=-1)[..., :40]
+  ref = np.einsum("btd,df->btf", x_hat, deq)
+  np.testing.assert_allclose(got, ref, rtol=0, atol=1e-5 * np.abs(ref).max())
+
+
+@pytest.mark.parametrize("mode", ["int8", "fp8_block", "fp4", "nvfp4"])
 def test_fake_quant_parts_split_the_samplers_error_into_weights_and_activations(mode):
   # "weights" rounds only W, "activations" only x, as the sampler groups them: the two rounded
   # operands' float dot is the sampler's W8A8 einsum ("both"), so each part is one source of its

@@ -229,7 +229,7 @@ def test_quantizer_passes_unquantized_leaves_through_without_copying():
 def test_quantize_params_rejects_unknown_mode():
   _, params, _ = _model()
   with pytest.raises(
-    ValueError, match=r"allowed modes: \('int8', 'fp8', 'fp8_e5m2', 'fp8_block', 'fp4'\)"
+    ValueError, match=r"allowed modes: \('int8', 'fp8', 'fp8_e5m2', 'fp8_block', 'fp4', 'nvfp4'\)"
   ):
     quantize_params(params, mode="int4")
 
