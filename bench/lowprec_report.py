@@ -21,7 +21,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "bench"))
 
-from staleness_report import paired, runs_of, span  # noqa: E402
+from staleness_report import paired, plot_accuracy, runs_of, span  # noqa: E402
 
 MISMATCH = ("mismatch/abs_logp_mean", "mismatch/kl_k3", "mismatch/act_underflow_frac")
 
@@ -54,16 +54,11 @@ def _plot(cells, mism, png):
   fig, axes = plt.subplots(1, 2, figsize=(11, 4))
   for name, runs in cells.items():
     seeds = sorted(runs)
-    at = {s: {e[0]: e for e in runs[s]["evals"]} for s in seeds}
-    steps = sorted(set.intersection(*(set(at[s]) for s in seeds)))
-    acc = np.array([[at[s][t][3] for s in seeds] for t in steps])
-    x = [statistics.fmean(at[s][t][1] for s in seeds) for t in steps]
-    (line,) = axes[0].plot(x, acc.mean(1), marker=".", label=f"{name} (n={len(seeds)})")
-    axes[0].fill_between(x, acc.min(1), acc.max(1), color=line.get_color(), alpha=0.1)
+    color = plot_accuracy(axes[0], name, runs, 1)
     kl = np.array([mism[name][s]["curves"]["mismatch/kl_k3"] for s in seeds]).mean(0)
     if kl.any():
       smooth = np.convolve(kl, np.ones(10) / 10, mode="valid")
-      axes[1].plot(range(10, 10 + len(smooth)), smooth, color=line.get_color(), label=name)
+      axes[1].plot(range(10, 10 + len(smooth)), smooth, color=color, label=name)
   axes[0].set(xlabel="cumulative rollouts", ylabel="held-out greedy accuracy")
   axes[0].set_title("accuracy: mean, range over seeds")
   axes[1].set(xlabel="RL step", ylabel="KL(sampler || learner), k3 per token")

@@ -24,7 +24,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "bench"))
 
-from staleness_report import _rollouts_per_step, paired, span  # noqa: E402
+from staleness_report import _rollouts_per_step, paired, plot_accuracy, span  # noqa: E402
 
 
 def runs_of(outs: list[Path], isa: str, steady: int) -> dict[int, dict]:
@@ -75,18 +75,11 @@ def _plot(cells: dict[str, dict], png: str) -> None:
 
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
-  import numpy as np
 
   fig, axes = plt.subplots(1, 2, figsize=(11, 4))
   for name, runs in cells.items():
-    seeds = sorted(runs)
-    at = {s: {e[0]: e for e in runs[s]["evals"]} for s in seeds}
-    steps = sorted(set.intersection(*(set(at[s]) for s in seeds)))
-    acc = np.array([[at[s][t][3] for s in seeds] for t in steps])
     for ax, col in zip(axes, (1, 2), strict=True):
-      x = [statistics.fmean(at[s][t][col] for s in seeds) for t in steps]
-      (line,) = ax.plot(x, acc.mean(1), marker=".", label=f"{name} (n={len(seeds)})")
-      ax.fill_between(x, acc.min(1), acc.max(1), color=line.get_color(), alpha=0.1)
+      plot_accuracy(ax, name, runs, col)
   axes[0].set(xlabel="cumulative rollouts trained on", ylabel="held-out greedy accuracy")
   axes[1].set(xlabel="cumulative completion tokens trained on", ylabel="held-out greedy accuracy")
   axes[0].set_title("chain task: mean, range over seeds")

@@ -82,6 +82,22 @@ def span(xs: list[float], digits: int) -> str:
   return f"{statistics.fmean(xs):.{digits}f} ({min(xs):.{digits}f}–{max(xs):.{digits}f})"
 
 
+def plot_accuracy(ax, name: str, runs: dict[int, dict], col: int = 1, **style):
+  """Held-out accuracy of one cell on `ax`: the seeds' mean and a band over their range, at the
+  eval points every seed has, against column `col` of the evals (1: cumulative rollouts, 2:
+  cumulative tokens). Returns the line's colour, or None when the seeds share no eval point."""
+  seeds = sorted(runs)
+  at = {s: {e[0]: e for e in runs[s]["evals"]} for s in seeds}
+  steps = sorted(set.intersection(*(set(at[s]) for s in seeds)))
+  if not steps:
+    return None
+  acc = np.array([[at[s][t][3] for s in seeds] for t in steps])
+  x = [statistics.fmean(at[s][t][col] for s in seeds) for t in steps]
+  (line,) = ax.plot(x, acc.mean(1), marker=".", label=f"{name} (n={len(seeds)})", **style)
+  ax.fill_between(x, acc.min(1), acc.max(1), color=line.get_color(), alpha=0.1)
+  return line.get_color()
+
+
 def _plot(cells: dict[str, dict], png: str) -> None:
   import matplotlib
 
@@ -97,11 +113,7 @@ def _plot(cells: dict[str, dict], png: str) -> None:
     at = {s: {e[0]: e for e in runs[s]["evals"]} for s in seeds}
     # Eval points every seed of the cell has (the baseline evaluated more often).
     steps = sorted(set.intersection(*(set(at[s]) for s in seeds)))
-    if steps:
-      acc = np.array([[at[s][t][3] for s in seeds] for t in steps])
-      x = [statistics.fmean(at[s][t][1] for s in seeds) for t in steps]
-      axes[0].plot(x, acc.mean(1), marker=".", color=color, label=f"{name} (n={len(seeds)})")
-      axes[0].fill_between(x, acc.min(1), acc.max(1), color=color, alpha=0.08)
+    plot_accuracy(axes[0], name, runs, 1, color=color)
     if c > 0:  # the paired difference to the baseline, same seed and step
       b = {s: {e[0]: e[3] for e in base[s]["evals"]} for s in seeds if s in base}
       steps = [t for t in steps if all(t in b[s] for s in b)]
