@@ -513,10 +513,11 @@ def validate(cfg) -> Config:
     problem = backend_problem(impl, c.model.kernel_interpret)
     check(problem is None, f"model.{name}", impl, problem or "")
   check(
-    c.model.matmul_kernel == "reference" or c.rl.rollout.quantize in ("int8", "fp8", "fp8_e5m2"),
+    c.model.matmul_kernel in ("reference", "auto")
+    or c.rl.rollout.quantize in ("int8", "fp8", "fp8_e5m2"),
     "model.matmul_kernel",
     c.model.matmul_kernel,
-    "'reference' unless rl.rollout.quantize is per-channel (int8, fp8, fp8_e5m2): it runs "
-    f"only quantized projections, and {c.rl.rollout.quantize!r} has no kernel",
+    "'reference' or 'auto' unless rl.rollout.quantize is per-channel (int8, fp8, fp8_e5m2): "
+    f"it runs only quantized projections, and {c.rl.rollout.quantize!r} has no kernel",
   )
   return c

@@ -353,7 +353,7 @@ def quantized_einsum(
   `impl` picks the per-channel product: "reference" (the einsum below) or a Pallas kernel of
   `jaxrl.kernels.quant_matmul` ("auto", "pallas_tpu", "pallas_gpu"; `interpret` runs it
   through the Pallas interpreter), which takes x as [M, K] codes and W as [K, N]. Block-scaled
-  weights have no kernel yet: they need impl="reference".
+  weights have no kernel yet: "auto" runs their reference, a named kernel is an error.
 
   eq is one of project()'s einsums ("BTD,DNH->BTNH", "BTNH,NHD->BTD", "BTD,DF->BTF", ...).
   On CPU XLA lowers the int8 einsum to an integer dot that is ~1.8x the speed of the float32
@@ -366,7 +366,7 @@ def quantized_einsum(
       f"{eq!r} contracts {len(contracted)} axes but the weight has {q.in_ndim} input axes"
     )
   if isinstance(q, BlockQArray):
-    if impl != "reference":
+    if impl not in ("reference", "auto"):
       raise ValueError(
         f"block-scaled weights ({q.values.dtype}, blocks {q.block}) have no quantized-matmul "
         f"kernel; matmul kernel {impl!r} needs a per-channel mode (int8, fp8, fp8_e5m2)"

@@ -79,7 +79,8 @@ def test_block_scaled_weights_have_no_matmul_kernel():
   w = jax.random.normal(jax.random.key(0), (8, 6))
   q = quantize_weight(w, 1, "fp8_block")
   x = jnp.ones((2, 3, 8))
-  quantized_einsum("BTD,DF->BTF", x, q)  # the reference runs
+  want = quantized_einsum("BTD,DF->BTF", x, q)  # the reference runs, and so does "auto"
+  np.testing.assert_array_equal(quantized_einsum("BTD,DF->BTF", x, q, impl="auto"), want)
   with pytest.raises(ValueError, match="no quantized-matmul kernel"):
     quantized_einsum("BTD,DF->BTF", x, q, impl="pallas_tpu", interpret=True)
 
@@ -174,5 +175,8 @@ def test_bad_kernel_choices_are_named():
   c.rl.rollout.quantize = "fp8_block"
   with pytest.raises(ConfigError, match="'fp8_block' has no kernel"):
     validate(c)
+  c.model.matmul_kernel = "auto"  # the backend's kernel where one applies: none, so reference
+  assert validate(c).model.matmul_kernel == "auto"
+  c.model.matmul_kernel = "pallas_gpu"
   c.rl.rollout.quantize = "int8"
   assert validate(c).model.matmul_kernel == "pallas_gpu"
