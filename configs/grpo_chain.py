@@ -16,9 +16,10 @@ with a 250-step warm-start held fixed): once each prefill bucket has compiled, '
 completes 1.30x (1.01-1.56) the groups per second of synchronous rollouts in 36% of the decode
 steps; counting the compiles of new resume buckets in the first 11 phases, 0.69x. Over
 training (docs/results.md, "Partial vs synchronous rollouts on the chain task", native ISA):
-held-out greedy accuracy ends within the synchronous arm's seed interval, paired by seed, in
-about 0.35x the decode steps. A seed takes ~15 minutes of SFT and ~3-8 of RL on a 2-core CPU.
-':smoke' takes about a minute and only checks that everything moves.
+held-out greedy accuracy ends within the synchronous arm's, paired by seed (+0.002
+[-0.025, +0.029], seeds 0-4), in about 0.36x the decode steps; in wall-clock the one pair
+run alone was slower (0.81x the groups per second). A seed takes ~15 minutes of SFT and
+~3-8 of RL on a 2-core CPU. ':smoke' takes about a minute and only checks that everything moves.
 """
 
 from pathlib import Path
