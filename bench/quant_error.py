@@ -2,7 +2,7 @@
 
 For each warm-started policy (an SFT checkpoint of configs/grpo_arith.py per seed), 256 of its
 own sampled completions (64 prompts x 4, temperature 1) are scored by the float policy and by
-fake-quantized copies (jaxrl.quant.FakeQuant) that round
+fake-quantized copies (jaxrl.fake_quant.FakeQuant) that round
   both         the weights and the activations, as the sampler's W8A8 einsum does
   weights      only the weights (activations float: what QUADS's asymmetric QAT trains with)
   activations  only the activations, grouped as the sampler groups them (weights float)
@@ -36,8 +36,9 @@ import numpy as np  # noqa: E402
 from _common import machine, versions  # noqa: E402
 
 from jaxrl.config import config_module, validate  # noqa: E402
+from jaxrl.fake_quant import FAKE_QUANT_PARTS, fake_quant_params  # noqa: E402
 from jaxrl.models.transformer import token_logprobs  # noqa: E402
-from jaxrl.quant import FAKE_QUANT_PARTS, QUANT_MODES, fake_quant_params, quantize_params  # noqa: E402
+from jaxrl.quant import QUANT_MODES, quantize_params  # noqa: E402
 from jaxrl.rl.batch import rollout_columns  # noqa: E402
 from jaxrl.rl.experience import build_sampler  # noqa: E402
 from jaxrl.rl.run import Run, restore_params  # noqa: E402

@@ -25,17 +25,14 @@ from quant_test import (
   greedy_reference,
 )
 
+from jaxrl.fake_quant import FakeQuant, dequantize_activations, fake_quant_einsum, fake_quant_params
 from jaxrl.quant import (
   BlockQArray,
-  FakeQuant,
   QArray,
   Quantizer,
   UnderflowCounter,
   _map_projections,
   dequantize,
-  dequantize_activations,
-  fake_quant_einsum,
-  fake_quant_params,
   int8_einsum,
   quantize,
   quantize_activation_groups,
@@ -287,7 +284,6 @@ def test_the_quantized_copy_is_laid_out_like_the_weight_it_replaces(mode):
 def test_fake_quant_runs_the_samplers_numerics_with_straight_through_gradients(mode):
   from jaxrl.kernels.contract import contract
   from jaxrl.models.transformer import token_logprobs
-  from jaxrl.quant import FakeQuant, fake_quant_einsum, fake_quant_params, quantize_weight
 
   eq = "BTNH,NHD->BTD"
   x_shape, w_shape = EINSUMS[eq]

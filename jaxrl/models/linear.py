@@ -9,9 +9,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxrl.fake_quant import FakeQuant, fake_quant_einsum
 from jaxrl.kernels.contract import contract
 from jaxrl.models.config import ModelConfig
-from jaxrl.quant import BlockQArray, FakeQuant, QArray, fake_quant_einsum, quantized_einsum
+from jaxrl.quant import BlockQArray, QArray, quantized_einsum
 
 
 def param(rngs: nnx.Rngs, shape, fan_in: int, axes, dtype, scale: float = 1.0) -> nnx.Param:

@@ -19,8 +19,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrl.config import Config
+from jaxrl.fake_quant import fake_quant_params
 from jaxrl.models.transformer import token_logprobs
-from jaxrl.quant import UnderflowCounter, fake_quant_params, quantize_params
+from jaxrl.quant import UnderflowCounter, quantize_params
 from jaxrl.registry import ADVANTAGES
 from jaxrl.rl import batch as batch_lib
 from jaxrl.rl import offpolicy as offpolicy_lib

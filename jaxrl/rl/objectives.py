@@ -8,9 +8,9 @@ import jax
 import jax.numpy as jnp
 
 from jaxrl.config import KLConfig, OffPolicyConfig, PolicyLossConfig
+from jaxrl.fake_quant import fake_quant_params
 from jaxrl.models.moe import load_balancing_loss, router_z_loss
 from jaxrl.models.transformer import token_logprobs, token_logprobs_and_routing
-from jaxrl.quant import fake_quant_params
 from jaxrl.rl import offpolicy as offpolicy_lib
 from jaxrl.rl.kl import kl_estimate
 from jaxrl.rl.losses import POLICY_LOSSES, aggregate
