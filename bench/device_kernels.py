@@ -10,8 +10,12 @@ kernel (pallas_gpu / pallas_tpu), compares it with the reference on the same bac
 equal; fp8 / bf16: relative error), and times both against `jnp.dot` of bf16 operands. Then one
 decode step of paged attention (64 sequences of up to 2,048 keys in 16-token pages, 32 query and
 8 kv heads of 128, bf16 and fp8 pages) through the backend's kernel (`paged_attention`,
-pallas_gpu / pallas_tpu) against the jnp reference that gathers the pages. The JSON records the
-device, jax version, date and per-case medians; docs/benchmarks.md takes them.
+pallas_gpu / pallas_tpu) against the jnp reference that gathers the pages. Then the MoE experts'
+grouped matmul (`grouped_matmul`, pallas_gpu / pallas_tpu) in bf16 at a Qwen-MoE-like shape
+(8,192 routed rows over 8 or 64 experts of uneven sizes, K = 2,048, N = 1,408) against
+`jax.lax.ragged_dot`. A case whose kernel fails to compile is recorded with its error and the
+script goes on to the next (the exit status says so). The JSON records the device, jax version,
+date and per-case medians; docs/benchmarks.md takes them.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from jaxrl.kernels.grouped_matmul import grouped_matmul  # noqa: E402
 from jaxrl.kernels.paged_attention import PagedKV, paged_attention  # noqa: E402
 from jaxrl.kernels.quant_matmul import quant_matmul, resolve_impl  # noqa: E402
 from jaxrl.quant import quantize, quantize_activations  # noqa: E402
@@ -92,6 +97,41 @@ def paged_rows(impl: str, reps: int) -> list[dict]:
   return rows
 
 
+def moe_rows(impl: str, reps: int) -> list[dict]:
+  """The experts' grouped matmul through `impl` vs ragged_dot, bf16, uneven group sizes."""
+  m, k, n = 8192, 2048, 1408
+  rng = np.random.default_rng(2)
+  lhs = jnp.asarray(rng.normal(size=(m, k)), jnp.bfloat16)
+  rows = []
+  for e in (8, 64):
+    share = rng.dirichlet(np.full(e, 0.5))  # skewed, some groups near empty
+    sizes = np.floor(share * m).astype(np.int32)
+    sizes[-1] += m - sizes.sum()
+    rhs = jnp.asarray(rng.normal(size=(e, k, n)) / np.sqrt(k), jnp.bfloat16)
+    gs = jnp.asarray(sizes)
+    row = {"case": f"grouped_matmul_e{e}", "m": m, "k": k, "n": n}
+    try:
+      kern = jax.jit(lambda a, b, g: grouped_matmul(a, b, g, impl=impl))
+      ref = jax.jit(lambda a, b, g: grouped_matmul(a, b, g, impl="reference"))
+      got = np.asarray(kern(lhs, rhs, gs).astype(jnp.float32))
+      want = np.asarray(ref(lhs, rhs, gs).astype(jnp.float32))
+      row["max_rel_err_vs_reference"] = float(np.abs(got - want).max() / np.abs(want).max())
+      row["kernel_s"] = _time(kern, lhs, rhs, gs, reps=reps)
+      row["reference_s"] = _time(ref, lhs, rhs, gs, reps=reps)
+      row["kernel_vs_reference"] = row["reference_s"] / row["kernel_s"]
+      print(
+        f"{row['case']:24s} err {row['max_rel_err_vs_reference']:.2e}  kernel "
+        f"{row['kernel_s'] * 1e6:9.1f} us  ragged_dot {row['reference_s'] * 1e6:9.1f} us  "
+        f"({row['kernel_vs_reference']:.2f}x)",
+        flush=True,
+      )
+    except Exception as err:  # noqa: BLE001  (a device run records what failed, then goes on)
+      row["error"] = f"{type(err).__name__}: {err}"[:2000]
+      print(f"{row['case']:24s} FAILED: {row['error'][:300]}", flush=True)
+    rows.append(row)
+  return rows
+
+
 def main(argv=None) -> int:
   ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
   ap.add_argument("--out", default="bench/results/device_kernels.json")
@@ -146,6 +186,7 @@ def main(argv=None) -> int:
       )
   paged_impl = {"gpu": "pallas_gpu", "tpu": "pallas_tpu"}[jax.default_backend()]
   rows += paged_rows(paged_impl, args.reps)
+  rows += moe_rows(paged_impl, args.reps)
   record = {
     "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
     "device": str(jax.devices()[0].device_kind),
@@ -159,9 +200,12 @@ def main(argv=None) -> int:
   Path(args.out).write_text(json.dumps(record, indent=1) + "\n")
   # bf16 attention outputs: the kernel and the reference round differently (2**-8 relative).
   tol = {"w8a8_int8": 0.0, "paged_attention_bf16": 1e-2, "paged_attention_fp8": 1e-2}
-  bad = [r for r in rows if r["max_rel_err_vs_reference"] > tol.get(r["case"], 1e-3)]
+  tol |= {"grouped_matmul_e8": 1e-2, "grouped_matmul_e64": 1e-2}  # bf16 outputs
+  bad = [
+    r for r in rows if "error" in r or r["max_rel_err_vs_reference"] > tol.get(r["case"], 1e-3)
+  ]
   if bad:
-    print(f"MISMATCH against the reference: {[(r['case'], r.get('m')) for r in bad]}")
+    print(f"FAILED or MISMATCH against the reference: {[(r['case'], r.get('m')) for r in bad]}")
     return 1
   return 0
 

@@ -3,11 +3,16 @@ the float32 baseline, and the sampler-learner mismatch over training (mismatch/a
 mismatch/kl_k3, the activations rounded to zero, the TIS-truncated token fraction). Reads sweeps
 made with `python -m launch.sweep run ... --sft-from=<the baseline sweep>` (same warm-starts),
 writes a markdown table to stdout, a PNG (accuracy over cumulative rollouts; KL(sampler ||
-learner) over RL steps) and the per-seed numbers as JSON.
+learner) over RL steps) and the per-seed numbers as JSON. Sweeps of an MoE policy that record
+the sampler's experts (rl.rollout.routes) add the learner's routing agreement with the sampler
+(moe/route_agree, all layers and per layer) as columns and a third panel.
 
   .venv/bin/python bench/lowprec_report.py --baseline=runs/sweep/careless2d \
       --sweep fp8=runs/sweep/fp8_block_kv --sweep fp8_tis=runs/sweep/fp8_block_kv_tis \
       --png=docs/lowprec_arith.png --json=bench/results/lowprec_arith.json
+  .venv/bin/python bench/lowprec_report.py --baseline=runs/sweep/moe_record \
+      --baseline-name="routes recorded" --sweep "R3 replay=runs/sweep/moe_replay" \
+      --png=docs/moe_r3_arith.png --json=bench/results/moe_r3_arith.json
 """
 
 from __future__ import annotations
@@ -37,11 +42,20 @@ def mismatch_of(out: Path, isa: str) -> dict[int, dict]:
     rows = [r for r in rows if r.get("phase") == "rl"]
     curves = {k: [r.get(k, 0.0) for r in rows] for k in MISMATCH}
     curves["truncated"] = [r.get("offpolicy/clipped_frac", 0.0) for r in rows]
+    for k in sorted({k for r in rows for k in r if k.startswith("moe/route_agree")}):
+      curves[k] = [r[k] for r in rows if k in r]
     got[run["seed"]] = {
       "curves": curves,
       **{k: statistics.fmean(v) for k, v in curves.items()},
     }
   return got
+
+
+def _route_keys(mism) -> list[str]:
+  """The routing-agreement metrics every run of every cell logged ([] for dense sweeps)."""
+  keys = [set(m) for runs in mism.values() for m in runs.values()]
+  common = set.intersection(*keys) if keys else set()
+  return sorted(k for k in common if k.startswith("moe/route_agree"))
 
 
 def _plot(cells, mism, png):
@@ -51,7 +65,8 @@ def _plot(cells, mism, png):
   import matplotlib.pyplot as plt
   import numpy as np
 
-  fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+  routes = _route_keys(mism)
+  fig, axes = plt.subplots(1, 3 if routes else 2, figsize=(16 if routes else 11, 4))
   for name, runs in cells.items():
     seeds = sorted(runs)
     color = plot_accuracy(axes[0], name, runs, 1)
@@ -59,6 +74,13 @@ def _plot(cells, mism, png):
     if kl.any():
       smooth = np.convolve(kl, np.ones(10) / 10, mode="valid")
       axes[1].plot(range(10, 10 + len(smooth)), smooth, color=color, label=name)
+    if routes:
+      agree = np.array([mism[name][s]["curves"]["moe/route_agree"] for s in seeds]).mean(0)
+      axes[2].plot(range(1, len(agree) + 1), agree, color=color, label=name)
+  if routes:
+    axes[2].set(xlabel="RL step", ylabel="learner's experts = sampler's (fraction)")
+    axes[2].set_title("routing agreement, all layers (seed mean)")
+    axes[2].legend(fontsize=8)
   axes[0].set(xlabel="cumulative rollouts", ylabel="held-out greedy accuracy")
   axes[0].set_title("accuracy: mean, range over seeds")
   axes[1].set(xlabel="RL step", ylabel="KL(sampler || learner), k3 per token")
@@ -85,11 +107,13 @@ def main(argv=None) -> int:
   base = cells[args.baseline_name]
   seeds = sorted(set.intersection(*(set(r) for r in cells.values())))
   cells = {name: {s: runs[s] for s in seeds} for name, runs in cells.items()}
+  routes = _route_keys(mism)
   print(
     "| cell | seeds | accuracy after RL, mean (min–max) | − baseline, paired mean [95% CI] | "
     "mean abs dlogp | KL k3 | activations rounded to 0 | TIS-truncated tokens |"
+    + "".join(f" {k.removeprefix('moe/')} |" for k in routes)
   )
-  print("|---|---|---|---|---|---|---|---|")
+  print("|---|---|---|---|---|---|---|---|" + "---|" * len(routes))
   for name, runs in cells.items():
     acc = [runs[s]["acc"] for s in seeds]
     m, lo, hi = paired([base[s]["acc"] for s in seeds], acc)
@@ -98,6 +122,7 @@ def main(argv=None) -> int:
       f"| {name} | {','.join(map(str, seeds))} | {span(acc, 3)} | {m:+.3f} [{lo:+.3f}, {hi:+.3f}] "
       f"| {col('mismatch/abs_logp_mean')} | {col('mismatch/kl_k3', 5)} "
       f"| {col('mismatch/act_underflow_frac', 5)} | {col('truncated', 5)} |"
+      + "".join(f" {col(k)} |" for k in routes)
     )
   if args.json:
     raw = {

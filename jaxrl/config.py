@@ -94,8 +94,8 @@ class ModelSection:
   moe_kernel: str = _field(
     "reference",
     choices=KERNELS["moe_kernel"],
-    help="MoE experts' grouped matmul: 'reference' (jax.lax.ragged_dot) or the megablox-style "
-    "Pallas kernel ('pallas_tpu')",
+    help="MoE experts' grouped matmul: 'reference' (jax.lax.ragged_dot), the megablox-style "
+    "Pallas kernel ('pallas_tpu') or its Triton counterpart ('pallas_gpu')",
   )
   matmul_kernel: str = _field(
     "reference",

@@ -8,8 +8,15 @@ the grid walks at most m_tiles + E - 1 "visits" (plus N tiles). A scalar-prefetc
 each visit its group and row tile; the visit multiplies the tile by its group's weight block,
 keeps the rows of that group (a row mask) and accumulates into the tile's output block, which
 stays resident across a tile's consecutive visits and is zeroed at its first. Tiles past the last
-group are visited once, to be zeroed. Mosaic TPU (`pltpu.PrefetchScalarGridSpec`); tested through
-the Pallas interpreter. `auto` picks it on a TPU, the reference elsewhere (XLA's ragged_dot).
+group are visited once, to be zeroed. Mosaic TPU (`pltpu.PrefetchScalarGridSpec`).
+
+The Triton kernel (`pallas_gpu`; Triton has no scalar prefetch) runs a (row tiles, N tiles) grid:
+each program loads its tile's group span (the first group with rows in it and one past the
+last, from a table made before the call) and loops over those groups, each a loop over K in bk
+slices of lhs tile @ rhs[group]'s column block, keeping that group's rows; a tile no group
+reaches stays zero. Blocks are powers of two of at least 16 (`jaxrl.kernels.blocks`), the
+operands zero-padded to them. Both kernels are tested through the Pallas interpreter; `auto`
+picks pallas_tpu on a TPU, pallas_gpu on a GPU and the reference elsewhere (XLA's ragged_dot).
 
 The custom VJP differentiates the reference (ragged_dot's own gradients: lhs through the
 transposed weights, rhs as each group's lhs^T @ dy), so the kernel can sit in the training path.
@@ -23,7 +30,9 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-IMPLS = ("auto", "reference", "pallas_tpu")
+from jaxrl.kernels.blocks import gpu_block, round_up
+
+IMPLS = ("auto", "reference", "pallas_tpu", "pallas_gpu")
 
 
 def reference(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array) -> jax.Array:
@@ -104,18 +113,83 @@ def _pallas(lhs, rhs, group_sizes, *, block, interpret):
   return out[:m, :n].astype(lhs.dtype)
 
 
+def tile_spans(group_sizes: jax.Array, m: int, bm: int) -> tuple[jax.Array, jax.Array]:
+  """For each row tile of bm rows (m rows in all): the first group with rows in it and one past
+  the last, as int32 [tiles] each (first >= last: no group's rows, the tile stays zero). An empty
+  group between two others falls inside a span; it keeps no rows."""
+  sizes = group_sizes.astype(jnp.int32)
+  ends = jnp.cumsum(sizes)
+  starts = ends - sizes
+  lo = jnp.arange(-(-m // bm), dtype=jnp.int32) * bm
+  first = jnp.searchsorted(ends, lo, side="right")  # groups ending at or before the tile
+  last = jnp.searchsorted(starts, lo + bm, side="left")  # groups starting before its end
+  return first.astype(jnp.int32), last.astype(jnp.int32)
+
+
+def _gpu_kernel(first_ref, last_ref, starts_ref, ends_ref, lhs_ref, rhs_ref, o_ref, *, bk: int):
+  i = pl.program_id(0)
+  bm, bn = o_ref.shape
+  rows = i * bm + jnp.arange(bm, dtype=jnp.int32)
+
+  def group(g, total):
+    def k_step(q, acc):
+      a = lhs_ref[:, pl.ds(q * bk, bk)]
+      b = rhs_ref[g, pl.ds(q * bk, bk), :]
+      return acc + jnp.dot(a, b, preferred_element_type=jnp.float32)
+
+    y = jax.lax.fori_loop(0, lhs_ref.shape[1] // bk, k_step, jnp.zeros((bm, bn), jnp.float32))
+    keep = (rows >= starts_ref[g]) & (rows < ends_ref[g])
+    return total + jnp.where(keep[:, None], y, 0.0)
+
+  total = jax.lax.fori_loop(first_ref[i], last_ref[i], group, jnp.zeros((bm, bn), jnp.float32))
+  o_ref[...] = total
+
+
+def _triton(lhs, rhs, group_sizes, *, block, interpret):
+  m, k = lhs.shape
+  e, _, n = rhs.shape
+  bm, bn = gpu_block(block[0], m), gpu_block(block[1], n)
+  bk = gpu_block(block[2] if len(block) > 2 else 64, k)
+  mp, np_, kp = round_up(m, bm), round_up(n, bn), round_up(k, bk)
+  lhs_p = jnp.pad(lhs, ((0, mp - m), (0, kp - k)))
+  rhs_p = jnp.pad(rhs, ((0, 0), (0, kp - k), (0, np_ - n)))
+  first, last = tile_spans(group_sizes, mp, bm)
+  ends = jnp.cumsum(group_sizes.astype(jnp.int32))
+  starts = ends - group_sizes.astype(jnp.int32)
+  whole = lambda a: pl.BlockSpec(a.shape, lambda i, j: (0,) * a.ndim)  # noqa: E731
+  out = pl.pallas_call(
+    functools.partial(_gpu_kernel, bk=bk),
+    grid=(mp // bm, np_ // bn),
+    in_specs=[
+      whole(first),
+      whole(last),
+      whole(starts),
+      whole(ends),
+      pl.BlockSpec((bm, kp), lambda i, j: (i, 0)),
+      pl.BlockSpec((e, kp, bn), lambda i, j: (0, 0, j)),
+    ],
+    out_specs=pl.BlockSpec((bm, bn), lambda i, j: (i, j)),
+    out_shape=jax.ShapeDtypeStruct((mp, np_), jnp.float32),
+    interpret=interpret,
+  )(first, last, starts, ends, lhs_p, rhs_p)
+  return out[:m, :n].astype(lhs.dtype)
+
+
 def resolve_impl(impl: str) -> str:
+  """`auto` -> the backend's kernel (pallas_tpu / pallas_gpu) or the reference (CPU)."""
   if impl not in IMPLS:
     raise ValueError(f"grouped_matmul impl must be one of {IMPLS}, got {impl!r}")
   if impl != "auto":
     return impl
-  return "pallas_tpu" if jax.default_backend() == "tpu" else "reference"
+  return {"tpu": "pallas_tpu", "gpu": "pallas_gpu"}.get(jax.default_backend(), "reference")
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
 def _gmm(lhs, rhs, group_sizes, impl, block, interpret):
   if impl == "reference":
     return reference(lhs, rhs, group_sizes)
+  if impl == "pallas_gpu":
+    return _triton(lhs, rhs, group_sizes, block=block, interpret=interpret)
   return _pallas(lhs, rhs, group_sizes, block=block, interpret=interpret)
 
 
@@ -139,11 +213,12 @@ def grouped_matmul(
   group_sizes: jax.Array,
   *,
   impl: str = "auto",
-  block: tuple[int, int] = (128, 128),
+  block: tuple[int, ...] = (128, 128),
   interpret: bool = False,
 ) -> jax.Array:
   """lhs [M, K] (rows grouped by expert), rhs [E, K, N], group_sizes [E] int -> [M, N] in
-  lhs.dtype (see the module docstring). block = (bm, bn), clipped to the operands."""
+  lhs.dtype (see the module docstring). block = (bm, bn), clipped to the operands; pallas_gpu
+  takes an optional third entry bk (default 64) and rounds each to a power of two >= 16."""
   if lhs.ndim != 2 or rhs.ndim != 3 or lhs.shape[1] != rhs.shape[1]:
     raise ValueError(
       f"grouped_matmul needs lhs [M, K] and rhs [E, K, N], got {lhs.shape} and {rhs.shape}"

@@ -11,7 +11,8 @@ Three implementations of the one contract, chosen by `impl`:
               "arbitrary", the partial products accumulated in a VMEM scratch block and rescaled
               once at the last K step
   pallas_gpu  Triton: a (M / bm, N / bn) grid, each program looping over K in bk slices with
-              the accumulator in registers
+              the accumulator in registers; blocks are powers of two of at least 16 (`tl.dot`'s
+              minimum: a decode step's few rows are padded to 16), `jaxrl.kernels.blocks`
 `auto` picks pallas_tpu on a TPU, pallas_gpu on a GPU and the reference elsewhere; `interpret`
 runs a Pallas variant through the Pallas interpreter on any backend (tests on CPU; about 0.1 ms a
 grid step, so keep grids small). Operands are zero-padded to whole blocks and the result cropped.
@@ -31,6 +32,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
+
+from jaxrl.kernels.blocks import gpu_block
 
 IMPLS = ("auto", "reference", "pallas_tpu", "pallas_gpu")
 _INT8 = jnp.dtype(jnp.int8)
@@ -90,7 +93,10 @@ def _pad(a, rows: int, cols: int):
 def _pallas(x, w, w_scale, x_scale, *, impl, block, interpret):
   m, k = x.shape
   n = w.shape[1]
-  bm, bn, bk = (min(b, d) for b, d in zip(block, (m, n, k), strict=True))
+  if impl == "pallas_gpu":  # Triton: power-of-two blocks, >= 16 for tl.dot
+    bm, bn, bk = (gpu_block(b, d) for b, d in zip(block, (m, n, k), strict=True))
+  else:
+    bm, bn, bk = (min(b, d) for b, d in zip(block, (m, n, k), strict=True))
   x, w = _pad(x, bm, bk), _pad(w, bk, bn)
   x_scale, w_scale = (
     _pad(x_scale.astype(jnp.float32), bm, 1),

@@ -1,13 +1,24 @@
-"""The MoE grouped matmul (jaxrl.kernels.grouped_matmul): the megablox-style Pallas kernel through
-the Pallas interpreter against `jax.lax.ragged_dot`, on group layouts that straddle tiles, leave
-groups empty and leave trailing rows; its visit table; its custom VJP; its errors."""
+"""The MoE grouped matmul (jaxrl.kernels.grouped_matmul): the megablox-style Mosaic TPU kernel and
+the Triton kernel through the Pallas interpreter against `jax.lax.ragged_dot`, on group layouts
+that straddle tiles, leave groups empty and leave trailing rows; their visit table and tile
+spans; the custom VJP; the errors. (The Triton kernel's blocks are at least 16: with 21 rows and
+N = 20 its grid is 2 x 2 tiles, boundaries inside tiles and a short last column block.)"""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxrl.kernels.grouped_matmul import grouped_matmul, reference, resolve_impl, visit_table
+from jaxrl.kernels.blocks import gpu_block
+from jaxrl.kernels.grouped_matmul import (
+  grouped_matmul,
+  reference,
+  resolve_impl,
+  tile_spans,
+  visit_table,
+)
+
+KERNELS = ("pallas_tpu", "pallas_gpu")
 
 K, N = 12, 20  # bn = 8: a short last column block
 LAYOUTS = {
@@ -26,14 +37,15 @@ def _operands(sizes, seed=0, dtype=jnp.float32):
   return lhs, rhs, jnp.asarray(sizes, jnp.int32)
 
 
+@pytest.mark.parametrize("impl", KERNELS)
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_kernel_matches_ragged_dot(layout):
+def test_kernel_matches_ragged_dot(layout, impl):
   lhs, rhs, sizes = _operands(LAYOUTS[layout])
   want = np.asarray(reference(lhs, rhs, sizes))
   got = np.asarray(
-    jax.jit(
-      lambda a, b, s: grouped_matmul(a, b, s, impl="pallas_tpu", block=(8, 8), interpret=True)
-    )(lhs, rhs, sizes)
+    jax.jit(lambda a, b, s: grouped_matmul(a, b, s, impl=impl, block=(8, 8), interpret=True))(
+      lhs, rhs, sizes
+    )
   )
   np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
   # Against numpy, group by group; rows past the groups are zero.
@@ -57,7 +69,28 @@ def test_visit_table_covers_each_tile_and_group_pair_once_in_row_order():
   assert np.all(ranges[~real] == 0)
 
 
-def test_gradients_are_ragged_dots():
+def test_tile_spans_name_the_groups_with_rows_in_each_tile():
+  # Rows [0,5) g0; [5,8) g1; [8,17) g2; [17,21) g3; g4 empty (at row 21, inside tile 2: visited,
+  # keeps no rows); tile 3 (rows 24-31) past them all.
+  first, last = (np.asarray(a) for a in tile_spans(jnp.asarray([5, 3, 9, 4, 0]), 32, 8))
+  assert [list(range(f, max(f, la))) for f, la in zip(first, last, strict=True)] == [
+    [0, 1],
+    [2],
+    [2, 3, 4],
+    [],
+  ]
+  # g0 (at row 0) is not visited (it ends where tile 0 starts); g2 (row 11) and g4 (row 21) are.
+  first, last = (np.asarray(a) for a in tile_spans(jnp.asarray([0, 11, 0, 10, 0]), 24, 8))
+  assert list(first) == [1, 1, 3] and list(last) == [2, 4, 5]
+
+
+def test_gpu_blocks_are_powers_of_two_of_at_least_16():
+  assert [gpu_block(128, d) for d in (1, 16, 20, 96, 128, 1000)] == [16, 16, 32, 128, 128, 128]
+  assert gpu_block(8, 21) == 16 and gpu_block(100, 300) == 128
+
+
+@pytest.mark.parametrize("impl", KERNELS)
+def test_gradients_are_ragged_dots(impl):
   lhs, rhs, sizes = _operands(LAYOUTS["straddling"], seed=1)
   dy = jnp.asarray(np.random.default_rng(2).normal(size=(21, N)).astype(np.float32))
 
@@ -66,7 +99,7 @@ def test_gradients_are_ragged_dots():
       grouped_matmul(a, b, sizes, impl=impl, block=(8, 8), interpret=True) * dy
     )
 
-  got = jax.grad(loss("pallas_tpu"), argnums=(0, 1))(lhs, rhs)
+  got = jax.grad(loss(impl), argnums=(0, 1))(lhs, rhs)
   want = jax.grad(lambda a, b: jnp.sum(jax.lax.ragged_dot(a, b, sizes) * dy), argnums=(0, 1))(
     lhs, rhs
   )
@@ -74,9 +107,10 @@ def test_gradients_are_ragged_dots():
     np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-5)
 
 
-def test_bf16_and_errors():
+@pytest.mark.parametrize("impl", KERNELS)
+def test_bf16_and_errors(impl):
   lhs, rhs, sizes = _operands(LAYOUTS["straddling"], dtype=jnp.bfloat16)
-  got = grouped_matmul(lhs, rhs, sizes, impl="pallas_tpu", block=(8, 8), interpret=True)
+  got = grouped_matmul(lhs, rhs, sizes, impl=impl, block=(8, 8), interpret=True)
   assert got.dtype == jnp.bfloat16
   np.testing.assert_allclose(
     np.asarray(got, np.float32), np.asarray(reference(lhs, rhs, sizes), np.float32), rtol=2e-2,

@@ -35,6 +35,7 @@ def pallas_calls(monkeypatch):
     ("attention", paged, "paged_attention_pallas"),
     ("attention", paged, "paged_attention_gpu"),
     ("moe", gmm, "_pallas"),
+    ("moe", gmm, "_triton"),
     ("matmul", qmm, "_pallas"),
   ]:
     real = getattr(mod, name)
@@ -131,11 +132,15 @@ def _moe_cfg(**kw):
   )
 
 
-@pytest.mark.parametrize("scan", [False, True])
-def test_moe_through_the_grouped_matmul_kernel_equals_ragged_dot_with_gradients(scan, pallas_calls):
+@pytest.mark.parametrize(
+  "scan, impl", [(False, "pallas_tpu"), (True, "pallas_tpu"), (False, "pallas_gpu")]
+)
+def test_moe_through_the_grouped_matmul_kernel_equals_ragged_dot_with_gradients(
+  scan, impl, pallas_calls
+):
   cfg = _moe_cfg(scan_layers=scan)
   graphdef, params = perturbed_model(cfg)
-  kgraph = graphdef_of(cfg.replace(moe_kernel="pallas_tpu", **INTERPRET))
+  kgraph = graphdef_of(cfg.replace(moe_kernel=impl, **INTERPRET))
   tokens, pos, valid = _tokens(cfg)
 
   def loss(g, p):
