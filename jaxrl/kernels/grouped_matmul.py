@@ -16,7 +16,15 @@ last, from a table made before the call) and loops over those groups, each a loo
 slices of lhs tile @ rhs[group]'s column block, keeping that group's rows; a tile no group
 reaches stays zero. Blocks are powers of two of at least 16 (`jaxrl.kernels.blocks`), the
 operands zero-padded to them. Both kernels are tested through the Pallas interpreter; `auto`
-picks pallas_tpu on a TPU, pallas_gpu on a GPU and the reference elsewhere (XLA's ragged_dot).
+picks pallas_tpu on a TPU, pallas_gpu on a GPU and `tiled` (below) elsewhere.
+
+`tiled` is the same visit walk in plain jnp, for CPUs: the visits' row tiles and their groups'
+weights gathered into one batched matmul [V, bm, K] @ [V, K, N], each visit's rows outside its
+group zeroed, the visits summed into their tiles (`jax.ops.segment_sum`). It does about m + E bm
+rows of work where XLA's CPU ragged_dot does about E m (each row through every expert): with 8
+experts several times faster, gradients included (`bench/grouped_matmul_cpu.py`,
+docs/benchmarks.md). Plain autodiff gives its gradient. The weight gather costs V copies of one
+expert's [K, N] block, so it is for small models (a CPU's), not an accelerator's experts.
 
 The custom VJP differentiates the reference (ragged_dot's own gradients: lhs through the
 transposed weights, rhs as each group's lhs^T @ dy), so the kernel can sit in the training path.
@@ -32,7 +40,7 @@ from jax.experimental import pallas as pl
 
 from jaxrl.kernels.blocks import gpu_block, round_up
 
-IMPLS = ("auto", "reference", "pallas_tpu", "pallas_gpu")
+IMPLS = ("auto", "reference", "tiled", "pallas_tpu", "pallas_gpu")
 
 
 def reference(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array) -> jax.Array:
@@ -67,6 +75,24 @@ def visit_table(group_sizes: jax.Array, m: int, bm: int) -> tuple[jax.Array, jax
   lo = jnp.where(real, starts[group], 0)
   hi = jnp.where(real, ends[group], 0)
   return jnp.where(real, group, -1), tile, jnp.stack([lo, hi], -1).astype(jnp.int32)
+
+
+def tiled(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, bm: int = 128) -> jax.Array:
+  """The grouped matmul as one batched jnp matmul over the visit table's (group, row tile) pairs
+  (see the module docstring): float32 accumulation, returned as lhs.dtype."""
+  m = lhs.shape[0]
+  bm = min(bm, m)
+  mp = -(-m // bm) * bm
+  tiles = jnp.pad(lhs, ((0, mp - m), (0, 0))).reshape(mp // bm, bm, -1)
+  group, tile, ranges = visit_table(group_sizes, mp, bm)
+  y = jnp.einsum(
+    "vmk,vkn->vmn", tiles[tile], rhs[jnp.maximum(group, 0)], preferred_element_type=jnp.float32
+  )
+  rows = tile[:, None] * bm + jnp.arange(bm, dtype=jnp.int32)[None]
+  keep = (rows >= ranges[:, :1]) & (rows < ranges[:, 1:])
+  y = jnp.where(keep[..., None], y, 0.0)
+  out = jax.ops.segment_sum(y, tile, num_segments=mp // bm, indices_are_sorted=True)
+  return out.reshape(mp, -1)[:m].astype(lhs.dtype)
 
 
 def _kernel(group_ref, tile_ref, range_ref, lhs_ref, rhs_ref, o_ref, *, bm: int):
@@ -176,12 +202,12 @@ def _triton(lhs, rhs, group_sizes, *, block, interpret):
 
 
 def resolve_impl(impl: str) -> str:
-  """`auto` -> the backend's kernel (pallas_tpu / pallas_gpu) or the reference (CPU)."""
+  """`auto` -> the backend's kernel (pallas_tpu / pallas_gpu), or `tiled` on a CPU."""
   if impl not in IMPLS:
     raise ValueError(f"grouped_matmul impl must be one of {IMPLS}, got {impl!r}")
   if impl != "auto":
     return impl
-  return {"tpu": "pallas_tpu", "gpu": "pallas_gpu"}.get(jax.default_backend(), "reference")
+  return {"tpu": "pallas_tpu", "gpu": "pallas_gpu"}.get(jax.default_backend(), "tiled")
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
@@ -217,7 +243,8 @@ def grouped_matmul(
   interpret: bool = False,
 ) -> jax.Array:
   """lhs [M, K] (rows grouped by expert), rhs [E, K, N], group_sizes [E] int -> [M, N] in
-  lhs.dtype (see the module docstring). block = (bm, bn), clipped to the operands; pallas_gpu
+  lhs.dtype (see the module docstring). block = (bm, bn), clipped to the operands (`tiled` reads
+  bm only); pallas_gpu
   takes an optional third entry bk (default 64) and rounds each to a power of two >= 16."""
   if lhs.ndim != 2 or rhs.ndim != 3 or lhs.shape[1] != rhs.shape[1]:
     raise ValueError(
@@ -228,4 +255,7 @@ def grouped_matmul(
       f"group_sizes must be [E={rhs.shape[0]}] integers, got {group_sizes.shape} "
       f"{group_sizes.dtype}"
     )
-  return _gmm(lhs, rhs, group_sizes, resolve_impl(impl), tuple(block), interpret)
+  impl = resolve_impl(impl)
+  if impl == "tiled":  # plain jnp: autodiff gives its own (equally tiled) gradient
+    return tiled(lhs, rhs, group_sizes, block[0])
+  return _gmm(lhs, rhs, group_sizes, impl, tuple(block), interpret)

@@ -1,5 +1,6 @@
 """The MoE grouped matmul (jaxrl.kernels.grouped_matmul): the megablox-style Mosaic TPU kernel and
-the Triton kernel through the Pallas interpreter against `jax.lax.ragged_dot`, on group layouts
+the Triton kernel through the Pallas interpreter, and the plain-jnp tiled walk (the CPU's
+choice), against `jax.lax.ragged_dot`, on group layouts
 that straddle tiles, leave groups empty and leave trailing rows; their visit table and tile
 spans; the custom VJP; the errors. (The Triton kernel's blocks are at least 16: with 21 rows and
 N = 20 its grid is 2 x 2 tiles, boundaries inside tiles and a short last column block.)"""
@@ -19,6 +20,7 @@ from jaxrl.kernels.grouped_matmul import (
 )
 
 KERNELS = ("pallas_tpu", "pallas_gpu")
+IMPLS = ("tiled", *KERNELS)  # tiled: plain jnp, no interpreter
 
 K, N = 12, 20  # bn = 8: a short last column block
 LAYOUTS = {
@@ -37,7 +39,7 @@ def _operands(sizes, seed=0, dtype=jnp.float32):
   return lhs, rhs, jnp.asarray(sizes, jnp.int32)
 
 
-@pytest.mark.parametrize("impl", KERNELS)
+@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_kernel_matches_ragged_dot(layout, impl):
   lhs, rhs, sizes = _operands(LAYOUTS[layout])
@@ -89,7 +91,7 @@ def test_gpu_blocks_are_powers_of_two_of_at_least_16():
   assert gpu_block(8, 21) == 16 and gpu_block(100, 300) == 128
 
 
-@pytest.mark.parametrize("impl", KERNELS)
+@pytest.mark.parametrize("impl", IMPLS)
 def test_gradients_are_ragged_dots(impl):
   lhs, rhs, sizes = _operands(LAYOUTS["straddling"], seed=1)
   dy = jnp.asarray(np.random.default_rng(2).normal(size=(21, N)).astype(np.float32))
@@ -107,7 +109,7 @@ def test_gradients_are_ragged_dots(impl):
     np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("impl", KERNELS)
+@pytest.mark.parametrize("impl", IMPLS)
 def test_bf16_and_errors(impl):
   lhs, rhs, sizes = _operands(LAYOUTS["straddling"], dtype=jnp.bfloat16)
   got = grouped_matmul(lhs, rhs, sizes, impl=impl, block=(8, 8), interpret=True)
@@ -116,7 +118,7 @@ def test_bf16_and_errors(impl):
     np.asarray(got, np.float32), np.asarray(reference(lhs, rhs, sizes), np.float32), rtol=2e-2,
     atol=2e-2,
   )  # fmt: skip
-  assert resolve_impl("auto") == "reference"
+  assert resolve_impl("auto") == "tiled"  # on this CPU
   with pytest.raises(ValueError, match="impl must be one of"):
     grouped_matmul(lhs, rhs, sizes, impl="triton")
   with pytest.raises(ValueError, match=r"lhs \[M, K\] and rhs \[E, K, N\]"):

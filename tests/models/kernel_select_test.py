@@ -1,6 +1,7 @@
 """The model's kernel switches (ModelConfig.attention_kernel / moe_kernel / matmul_kernel and
 kernel_interpret, config.model.* in a run): each Pallas kernel, run through the interpreter at
-its call site in a whole model, gives what the reference path gives; bad choices are named."""
+its call site in a whole model (and the MoE's plain-jnp `tiled` grouped matmul), gives what the
+reference path gives; bad choices are named."""
 
 import importlib
 
@@ -36,6 +37,7 @@ def pallas_calls(monkeypatch):
     ("attention", paged, "paged_attention_gpu"),
     ("moe", gmm, "_pallas"),
     ("moe", gmm, "_triton"),
+    ("moe", gmm, "tiled"),
     ("matmul", qmm, "_pallas"),
   ]:
     real = getattr(mod, name)
@@ -133,7 +135,8 @@ def _moe_cfg(**kw):
 
 
 @pytest.mark.parametrize(
-  "scan, impl", [(False, "pallas_tpu"), (True, "pallas_tpu"), (False, "pallas_gpu")]
+  "scan, impl",
+  [(False, "pallas_tpu"), (True, "pallas_tpu"), (False, "pallas_gpu"), (True, "tiled")],
 )
 def test_moe_through_the_grouped_matmul_kernel_equals_ragged_dot_with_gradients(
   scan, impl, pallas_calls
@@ -148,7 +151,7 @@ def test_moe_through_the_grouped_matmul_kernel_equals_ragged_dot_with_gradients(
     return jnp.sum(jnp.where(valid[..., None], jax.nn.log_softmax(logits), 0.0)[..., :9])
 
   want, want_grad = jax.value_and_grad(lambda p: loss(graphdef, p))(params)
-  assert pallas_calls["moe"] == 0
+  assert pallas_calls["moe"] == 0  # the reference: jax.lax.ragged_dot
   got, got_grad = jax.value_and_grad(lambda p: loss(kgraph, p))(params)
   assert pallas_calls["moe"] >= 3  # gate, up, down (per layer, or once in the scanned body)
   np.testing.assert_allclose(float(got), float(want), rtol=1e-5)
