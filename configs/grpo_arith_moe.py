@@ -15,8 +15,9 @@ Launch:
   bash launch/train.sh --config=configs/grpo_arith_moe.py:replay     # routing replay (R3)
   bash launch/train.sh --config=configs/grpo_arith_moe.py:smoke      # (or replay_smoke)
 
-Expected: not measured over seeds yet (docs/results.md says so); the warm-start (1,200 SFT
-steps of the MoE model) is the long part on a 2-core CPU. `:smoke` takes about a minute and
+Expected (docs/results.md, seeds 0-2, AMD EPYC AVX2 VM, ~13 min a seed): held-out accuracy
+0.656 after SFT -> 0.936 after RL with routes recorded, 0.942 with replay (paired +0.007
+[-0.008, +0.021]); replay lowers KL(sampler || learner) by ~44%. `:smoke` takes about a minute and
 only checks that everything moves.
 """
 
