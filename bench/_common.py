@@ -10,7 +10,9 @@ from __future__ import annotations
 import importlib.metadata
 import os
 import platform
+import statistics
 import subprocess
+import time
 from collections.abc import Callable
 
 from jaxrl.models.config import ModelConfig
@@ -90,3 +92,17 @@ def versions(packages=("jax", "jaxlib", "flax", "torch", "transformers")) -> dic
     except importlib.metadata.PackageNotFoundError:
       out[pkg] = None
   return out
+
+
+def median_seconds(f: Callable, *args, reps: int) -> float:
+  """Median wall seconds of `reps` calls of f(*args) (blocked until ready) after one warm-up
+  (compile) call."""
+  import jax
+
+  jax.block_until_ready(f(*args))
+  out = []
+  for _ in range(reps):
+    t = time.perf_counter()
+    jax.block_until_ready(f(*args))
+    out.append(time.perf_counter() - t)
+  return statistics.median(out)

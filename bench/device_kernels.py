@@ -23,16 +23,16 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+from _common import median_seconds as _time  # noqa: E402
 
 from jaxrl.kernels.grouped_matmul import grouped_matmul  # noqa: E402
 from jaxrl.kernels.paged_attention import PagedKV, paged_attention  # noqa: E402
@@ -44,17 +44,6 @@ CASES = {
   "w8a8_e4m3": (jnp.float8_e4m3fn, jnp.float8_e4m3fn),
   "w8a16_bf16_e4m3": (jnp.bfloat16, jnp.float8_e4m3fn),
 }
-
-
-def _time(f, *args, reps: int) -> float:
-  """Median seconds of `reps` calls after one warm-up (compile) call."""
-  jax.block_until_ready(f(*args))
-  out = []
-  for _ in range(reps):
-    t = time.perf_counter()
-    jax.block_until_ready(f(*args))
-    out.append(time.perf_counter() - t)
-  return statistics.median(out)
 
 
 def paged_rows(impl: str, reps: int) -> list[dict]:

@@ -15,9 +15,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -26,21 +24,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from _common import machine, versions  # noqa: E402
+from _common import machine, median_seconds, versions  # noqa: E402
 
 from jaxrl.kernels.grouped_matmul import grouped_matmul  # noqa: E402
 
 SHAPES = {"arith_small_moe": (20480, 128, 96, 8), "larger": (4096, 512, 384, 32)}
-
-
-def _ms(f, *args, reps: int) -> float:
-  jax.block_until_ready(f(*args))
-  out = []
-  for _ in range(reps):
-    t = time.perf_counter()
-    jax.block_until_ready(f(*args))
-    out.append(time.perf_counter() - t)
-  return statistics.median(out) * 1e3
 
 
 def main(argv=None) -> int:
@@ -67,8 +55,8 @@ def main(argv=None) -> int:
         )
       )
       outs[impl] = np.asarray(fwd(lhs, rhs))
-      row[f"{impl}_fwd_ms"] = _ms(fwd, lhs, rhs, reps=args.reps)
-      row[f"{impl}_grad_ms"] = _ms(grad, lhs, rhs, reps=args.reps)
+      row[f"{impl}_fwd_ms"] = median_seconds(fwd, lhs, rhs, reps=args.reps) * 1e3
+      row[f"{impl}_grad_ms"] = median_seconds(grad, lhs, rhs, reps=args.reps) * 1e3
     row["max_abs_diff"] = float(np.abs(outs["tiled"] - outs["reference"]).max())
     row["fwd_speedup"] = row["reference_fwd_ms"] / row["tiled_fwd_ms"]
     row["grad_speedup"] = row["reference_grad_ms"] / row["tiled_grad_ms"]
