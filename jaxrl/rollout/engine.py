@@ -36,7 +36,7 @@ from jaxrl.kernels.paged_attention import FP8_KV_MAX, PagedKV, write_kv
 from jaxrl.mesh import Rules, named_sharding
 from jaxrl.models.config import ModelConfig
 from jaxrl.models.transformer import init_cache, make_model
-from jaxrl.rollout.engine_prefill import PrefillMixin
+from jaxrl.rollout.engine_prefill import MIN_PREFILL_BUCKET, PrefillMixin
 from jaxrl.rollout.engine_types import (  # noqa: F401  (request_key(s): the API's keys)
   MAX_STOP_TOKENS,
   DecodeState,
@@ -55,8 +55,6 @@ from jaxrl.rollout.engine_types import (  # noqa: F401  (request_key(s): the API
 )
 from jaxrl.rollout.kv_cache import OutOfPages, PageAllocator, init_pages, pages_for, table_row
 from jaxrl.rollout.sampling import RowSampling, sample_rows
-
-MIN_PREFILL_BUCKET = 8
 
 KV_DTYPES = ("auto", "fp8")
 
@@ -253,26 +251,6 @@ class Engine(PrefillMixin):
     return self.kv_sharding
 
   # --- prefill ------------------------------------------------------------------------------
-  def prefill_bucket(self, length: int) -> int:
-    """Padded length of a prompt (or last chunk) of `length` tokens: a power of two."""
-    return min(max(next_pow2(length), MIN_PREFILL_BUCKET), self._chunk)
-
-  def check_prompt(self, length: int, max_new_tokens: int) -> None:
-    if length <= 0:
-      raise ValueError("prompt is empty; it needs at least one token")
-    if length > self._max_prefill:
-      raise ValueError(
-        f"prompt has {length} tokens, longer than the engine's max_prefill_length of "
-        f"{self._max_prefill}"
-      )
-    if max_new_tokens <= 0:
-      raise ValueError(f"max_new_tokens must be positive, got {max_new_tokens}")
-    if length + max_new_tokens > self.max_target_length:
-      raise ValueError(
-        f"prompt of {length} tokens + max_new_tokens={max_new_tokens} exceeds the engine's "
-        f"max_target_length of {self.max_target_length}"
-      )
-
   # --- decode state, insert, free -----------------------------------------------------------
   def init_decode_state(self) -> DecodeState:
     """A fresh pool and empty slots; the host page bookkeeping is reset with it."""

@@ -31,9 +31,31 @@ from jaxrl.rollout.engine_types import (
 from jaxrl.rollout.kv_cache import pages_for
 from jaxrl.rollout.sampling import RowSampling, SamplingParams, sample_rows
 
+MIN_PREFILL_BUCKET = 8
+
 
 class PrefillMixin:
   """Prefill and first-token sampling of `Engine` (see the module docstring)."""
+
+  def prefill_bucket(self, length: int) -> int:
+    """Padded length of a prompt (or last chunk) of `length` tokens: a power of two."""
+    return min(max(next_pow2(length), MIN_PREFILL_BUCKET), self._chunk)
+
+  def check_prompt(self, length: int, max_new_tokens: int) -> None:
+    if length <= 0:
+      raise ValueError("prompt is empty; it needs at least one token")
+    if length > self._max_prefill:
+      raise ValueError(
+        f"prompt has {length} tokens, longer than the engine's max_prefill_length of "
+        f"{self._max_prefill}"
+      )
+    if max_new_tokens <= 0:
+      raise ValueError(f"max_new_tokens must be positive, got {max_new_tokens}")
+    if length + max_new_tokens > self.max_target_length:
+      raise ValueError(
+        f"prompt of {length} tokens + max_new_tokens={max_new_tokens} exceeds the engine's "
+        f"max_target_length of {self.max_target_length}"
+      )
 
   def prefill(
     self,
