@@ -5,10 +5,13 @@ Each mode runs `--steps` rollout phases of 64 groups x 8 samples after `--warmup
 (compiles excluded) with the same warm-started params (an SFT checkpoint of grpo_chain), the
 same data stream and the same sampling seeds per seed:
   sync            every group started in a step finishes in it (the engine holds all 512)
-  partial         rl.partial: 1.5x the groups in flight (768 slots), the phase ends once 64 are
-                  complete, the rest carried (max_age 2)
-  partial_fixed   the same with the slots held at sync's 512: 96 groups queue for them
-                  (CoPRIS's fixed concurrency)
+  partial         the config's :partial (rl.partial): 1.5x the groups in flight, the phase ends
+                  once 64 are complete, the rest carried (max_age 2); the slots held at
+                  sync's 512, the 96 groups queue for them (CoPRIS's fixed concurrency)
+  partial_all_slots  the same with a slot for every sample in flight (768)
+  sync_pow2, partial_pow2  sync / partial with rl.rollout.prefill_batch_prompts=0: each
+                  batched prefill padded to the power of two above its prompt count (a
+                  program per count) instead of the config's calls of exactly 16 prompts
 A phase's time is wall seconds of sampling and scoring (what the RL loop waits for). The params
 stay fixed, so this measures the rollout mechanism alone; the versions still advance per step,
 so carried sequences age and max_age restarts happen as in training. Reported per mode: groups
@@ -44,7 +47,7 @@ from jaxrl.rl.partial import PartialRollouts  # noqa: E402
 from jaxrl.rl.run import Run, restore_params  # noqa: E402
 
 DEFAULT_OUT = BENCH_DIR / "results" / "partial_rollouts.json"
-MODES = ("sync", "partial", "partial_fixed")
+MODES = ("sync", "partial", "partial_all_slots", "sync_pow2", "partial_pow2")
 
 
 def _seeds(text: str) -> list[int]:
@@ -56,12 +59,14 @@ def _seeds(text: str) -> list[int]:
 
 def _config(mode: str, workdir: str):
   c = config_module(REPO / "configs" / "grpo_chain.py").get_config(
-    "" if mode == "sync" else "partial"
+    "partial" if mode.startswith("partial") else ""
   )
   c.workdir = workdir
   c.log.progress = False
-  if mode == "partial_fixed":
-    c.rl.rollout.slots = c.rl.prompts_per_step * c.rl.group_size
+  if mode == "partial_all_slots":
+    c.rl.rollout.slots = 0  # every in-flight sample
+  if mode.endswith("_pow2"):
+    c.rl.rollout.prefill_batch_prompts = 0
   return validate(c)
 
 
@@ -80,7 +85,9 @@ def _phases(exp: Experience, run: Run, params, mode: str, seed: int, n: int, off
         rollout, r, _, engine = exp.sample(step, 0, params, next(it))
         stats = {}
       else:
-        rollout, r, _, engine, stats = exp.sample_partial(step, params, next(it), lambda: next(it))
+        rollout, r, _, engine, stats = exp.sample_partial(
+          step, params, next(it), lambda: next(it), version=step
+        )
       wall = time.perf_counter() - t0
     compile_s = sum(log.totals.values())
     out.append(
@@ -132,6 +139,7 @@ def main(argv=None) -> dict:
       per_seed[mode][seed] = phases
       gps = sum(p["groups"] for p in phases) / sum(p["wall_s"] for p in phases)
       print(f"[bench] seed {seed} {mode}: {gps:.2f} groups/s", flush=True)
+    print(f"[bench] seed {seed} done ({seeds.index(seed) + 1}/{len(seeds)})", flush=True)
 
   def agg(mode, key, fn):
     return [fn(per_seed[mode][s], key) for s in seeds]
@@ -175,7 +183,7 @@ def main(argv=None) -> dict:
       "reward": _summary(agg(mode, "reward", mean_of)),
       "wall_s_per_phase": _summary(agg(mode, "wall_s", mean_of)),
     }
-    if mode != "sync":
+    if mode.startswith("partial"):
       for key in ("carried_sequences", "restarted_groups", "staleness_mean", "stale_token_frac"):
         result["modes"][mode][key] = _summary(agg(mode, key, mean_of))
   result["per_seed"] = per_seed

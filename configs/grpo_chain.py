@@ -47,6 +47,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.rl.max_prompt_len = 24  # BOS + "d+d+...+d=" of 10 terms (21) + spare
   c.rl.max_new_tokens = 32  # 9 running sums of up to 2 digits, commas, EOS (27) + spare
   c.rl.rollout.steps_per_call = 4  # a finished slot waits at most 4 steps to be seen
+  # Prefill calls of exactly 16 prompts: a resume batch of any count reuses one program per
+  # length bucket (padded to powers of two, each count compiled its own, ~2 s apiece here).
+  c.rl.rollout.prefill_batch_prompts = 16
   if not smoke:
     c.sft.steps = 600
     # The arithmetic job's 1e-4 unlearns here: the warm-start's errors are not one systematic
@@ -58,4 +61,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.eval.every = 20
   if arg.startswith("partial"):
     c.rl.partial = dict(enabled=True, over_provision=1.5, max_age=2)
+    # The synchronous arm's slots (CoPRIS's fixed concurrency): the 1.5x groups in flight
+    # queue for them. A slot per in-flight sample makes every decode step 1.5x dearer on a
+    # CPU, where an idle slot costs what a live one does.
+    c.rl.rollout.slots = c.rl.prompts_per_step * c.rl.group_size
   return complete(c)

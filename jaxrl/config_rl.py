@@ -180,6 +180,14 @@ class RolloutConfig:
   page_size: int = _field(16, lo=1, help="tokens per KV-cache page")
   num_pages: int = _field(0, lo=0, help="KV page budget; 0 = enough for every slot")
   steps_per_call: int = _field(8, lo=1, help="decode steps per jitted engine call")
+  prefill_batch_prompts: int = _field(
+    0,
+    lo=0,
+    help="prompts per batched prefill call, padded to exactly this many (more are split into "
+    "several calls): one prefill and one insert program per length bucket and samples per "
+    "prompt; 0 = each call padded to the power of two above its prompt count (a program per "
+    "count: partial rollouts' resumes come in every count, and each program compiles anew)",
+  )
   overlap_rewards: bool = _field(
     True,
     help="detokenise and score each completion as soon as it finishes, while the engine's "

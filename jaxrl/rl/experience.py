@@ -67,6 +67,7 @@ def build_sampler(run: Run, mesh=None) -> GroupSampler:
     resumable=rl.partial.enabled,
     capture_routes=ro.routes != "none",
     kv_dtype=ro.kv_dtype,
+    prefill_batch_prompts=ro.prefill_batch_prompts or None,
   )
 
 

@@ -137,6 +137,7 @@ class GroupSampler:
     resumable: bool = False,
     capture_routes: bool = False,
     kv_dtype: str = "auto",
+    prefill_batch_prompts: int | None = None,
   ):
     self.prompt_len, self.max_new_tokens, self.pad_id = prompt_len, max_new_tokens, pad_id
     self.sampling = sampling
@@ -158,6 +159,7 @@ class GroupSampler:
       rules=rules,
       capture_routes=capture_routes,
       kv_dtype=kv_dtype,
+      prefill_batch_prompts=prefill_batch_prompts,
     )
     self.driver = Driver(
       self.engine, steps_per_call=steps_per_call, eos_id=eos_ids[0], batching=batching

@@ -6,9 +6,10 @@
     behaviour log-probs, finish reason, policy version); result.unstarted: requests never begun.
 
 Loop: admit queued requests (a group whole) while slots and pages last; prefill the admitted
-prompts of one length bucket in ONE call (`prefill_batch`: a group's samples share its prompt's
-prefill) and place all their samples with one `insert_batch` (a prompt longer than a prefill
-chunk is prefilled chunk by chunk, `prefill_prompt` + `bulk_insert`); dispatch
+prompts of one length bucket and one sample count per prompt in ONE call (`prefill_batch`: a
+group's samples share its prompt's prefill; in calls of at most the engine's
+`prefill_batch_prompts`) and place all their samples with one `insert_batch` (a prompt longer
+than a prefill chunk is prefilled chunk by chunk, `prefill_prompt` + `bulk_insert`); dispatch
 `generate_steps` for `steps_per_call` steps; while the device runs them, process the previous
 call's results on the host (append tokens, check stop strings, retire finished sequences, free
 their pages); refill; repeat until every request is done or `stop_when(progress)` holds, which
@@ -232,7 +233,9 @@ class Driver:
       "queued_waits": 0,
       "batches": 0,  # static batches started (continuous: 0)
       "reused_prompts": 0,  # groups inserted from a prefill kept by an earlier run (keep=)
+      "compiles": 0,  # engine programs compiled during this run (new shapes)
     }
+    programs_before = eng.program_count
     done_units = [0]
     reported = [0]  # finished sequences handed to on_finished so far
 
@@ -287,7 +290,10 @@ class Driver:
         if keep is not None and gid is not None and gid in keep:
           reused.setdefault(id(keep[gid][0]), []).append(u)
         elif n <= eng.prefill_chunk_size:
-          buckets.setdefault(eng.prefill_bucket(n), []).append(u)
+          # One call per length bucket and samples per prompt (a fresh group's G draws, a
+          # resumed sequence's one), in calls of at most the engine's prefill_batch_prompts.
+          per_prompt = units[u][0].draws or len(units[u])
+          buckets.setdefault((eng.prefill_bucket(n), per_prompt), []).append(u)
         else:
           buckets.setdefault(-u - 1, []).append(u)  # a bucket of its own
       for batch_units in reused.values():
@@ -297,12 +303,20 @@ class Driver:
         ]
         stats["reused_prompts"] += len(batch_units)
         place(batch, first, members, batched=True)
+      calls = []
+      cap = eng.prefill_batch_prompts
       for key, batch_units in buckets.items():
+        if isinstance(key, tuple) and cap is not None:
+          calls += [(key, batch_units[i : i + cap]) for i in range(0, len(batch_units), cap)]
+        else:
+          calls.append((key, batch_units))
+      for key, batch_units in calls:
+        batched = isinstance(key, tuple)
         groups = [units[u] for u in batch_units]
         reqs = [r for g in groups for r in g]
         # The samples each prompt draws at its prefill: its requests, or `draws` of them (a
         # batched prefill only; a prompt prefilled in chunks is not kept).
-        spare = [key >= 0 and bool(g[0].draws) for g in groups]
+        spare = [batched and bool(g[0].draws) for g in groups]
         drawn = [
           [g[0].request_id - g[0].sample_index + j for j in range(g[0].draws)]
           if sp
@@ -320,7 +334,7 @@ class Driver:
             samplers.append(r.sampling)
             index.append(r.done_tokens)
             row += 1
-        if key >= 0:
+        if batched:
           batch, first = eng.prefill_batch(
             params,
             [g[0].prefill_tokens for g in groups],
@@ -354,7 +368,7 @@ class Driver:
           for j, r in enumerate(g):
             row = offsets[k] + (r.sample_index if spare[k] else j)
             members.append((u, r, int(row)))
-        place(batch, first, members, batched=key >= 0)
+        place(batch, first, members, batched=batched)
 
     def place(batch, first, members, *, batched: bool):
       """Start each (unit, request, sample row of the prefill) from its first token: retire it
@@ -442,6 +456,7 @@ class Driver:
       live.pop(seq.slot)
       partial.append(self._completion(seq, "abort", policy_version))
     unstarted = [r for u in queue for r in units[u]] if aborted else []
+    stats["compiles"] = eng.program_count - programs_before
     return RunResult(finished, partial, unstarted, stats)
 
   def _units(self, requests: Sequence[Request]) -> list[list[Request]]:

@@ -83,6 +83,12 @@ class Engine(PrefillMixin):
       scales fit its weights) from that prefill's keys and values: amax * kv_margin / 448, so
       decode-time values up to kv_margin times the prompts' largest are kept, larger ones
       saturate (never inf or NaN). The prefill itself attends in full precision.
+    prefill_batch_prompts: every batched prefill (`prefill_batch`) is padded to exactly this
+      many prompts, and the driver splits larger batches into calls of it; None pads each call
+      to the power of two above its prompt count. Fixed, the batched prefill and insert compile
+      one program per (length bucket, samples per prompt) instead of one per power of two of
+      each count as well: resumed partial sequences come in every count, and on a CPU each new
+      program costs seconds (bench/partial_rollouts.py).
   """
 
   def __init__(
@@ -103,6 +109,7 @@ class Engine(PrefillMixin):
     capture_routes: bool = False,
     kv_dtype: str = "auto",
     kv_margin: float = 2.0,
+    prefill_batch_prompts: int | None = None,
   ):
     if kv_dtype not in KV_DTYPES:
       raise ValueError(f"engine kv_dtype={kv_dtype!r}; allowed: {KV_DTYPES}")
@@ -110,6 +117,13 @@ class Engine(PrefillMixin):
       raise ValueError(f"engine kv_margin={kv_margin!r} must be >= 1")
     if capture_routes and not cfg.num_experts:
       raise ValueError("engine capture_routes=True needs an MoE model (model.num_experts > 0)")
+    if prefill_batch_prompts is not None and (
+      not isinstance(prefill_batch_prompts, int) or prefill_batch_prompts <= 0
+    ):
+      raise ValueError(
+        "engine prefill_batch_prompts must be a positive int or None, got "
+        f"{prefill_batch_prompts!r}"
+      )
     for name, value in (
       ("max_concurrent_decodes", max_concurrent_decodes),
       ("num_pages", num_pages),
@@ -144,6 +158,7 @@ class Engine(PrefillMixin):
     self.num_pages, self.page_size = num_pages, page_size
     self._max_prefill = max_prefill_length
     self._chunk = prefill_chunk_size
+    self.prefill_batch_prompts = prefill_batch_prompts
     self.max_target_length = max_target_length
     self.max_pages_per_seq = pages_for(max_target_length, page_size)
     self._tokenizer = tokenizer
@@ -237,6 +252,13 @@ class Engine(PrefillMixin):
   def generate_compiles(self) -> int:
     """Compiled variants of the decode step (single- and multi-step): 1 after a steady run."""
     return self._generate_jit._cache_size() + self._generate_steps_jit._cache_size()
+
+  @property
+  def program_count(self) -> int:
+    """Programs compiled so far by the engine's jitted calls (prefill, insert, decode): a run
+    whose shapes all repeat an earlier run's adds none."""
+    jits = (self._prefill_jit, self._insert_jit, self._generate_jit, self._generate_steps_jit)
+    return sum(j._cache_size() for j in jits + (self._deactivate_jit, self._zero_state))
 
   def get_tokenizer(self):
     return self._tokenizer
@@ -354,7 +376,7 @@ class Engine(PrefillMixin):
   ) -> DecodeState:
     """Place sample sample_ids[j] of a PrefillBatch (an index into its N samples) in slots[j],
     in ONE jitted call. Samples of one prompt share its full prompt pages, as in `bulk_insert`;
-    the call is padded to a power-of-two slot count (one program per count bucket). Raises
+    the call is padded to the batch's (padded) sample count: one program per prefill program. Raises
     OutOfPages (allocating nothing) when the pool is short."""
     slots, sample_ids = [int(s) for s in slots], [int(j) for j in sample_ids]
     if len(sample_ids) != len(slots) or not slots:
@@ -373,7 +395,8 @@ class Engine(PrefillMixin):
     if need > self.allocator.num_free:
       raise OutOfPages(f"need {need} KV pages, {self.allocator.num_free} are free")
     decode_state = self._apply_releases(decode_state)
-    gb = next_pow2(len(slots))
+    # Padded to the batch's sample rows, so a prefill program has one insert program.
+    gb = len(batch.keys)
     width = batch.cache[0][0].shape[1]
     slot_arr = np.full(gb, self._slots, np.int32)  # padding: an out-of-range slot, dropped
     row_of = np.zeros(gb, np.int32)

@@ -196,9 +196,11 @@ class PrefillMixin:
     max_new_tokens / stop_token_ids: one per prompt, carried to `insert_batch`; first_index
     (default 0): one per sample, as in `prefill_multisampling`. The call is
     padded to buckets, so one program serves every batch of one (prompt count, sample count,
-    length) bucket: prompts and samples to powers of two, length to the longest prompt's
-    `prefill_bucket`. Prompts sharing a length bucket give the tokens, log-probs and cache
-    entries `prefill_prompt` gives each alone.
+    length) bucket: prompts and samples to powers of two (or, with the engine's
+    `prefill_batch_prompts`, prompts to that count and samples to the power of two above it
+    times the most samples of a prompt), length to the longest prompt's `prefill_bucket`.
+    Prompts sharing a length bucket give the tokens, log-probs and cache entries
+    `prefill_prompt` gives each alone.
     Returns (PrefillBatch, ResultTokens with data [N, 5]).
     """
     k = len(prompts)
@@ -228,6 +230,14 @@ class PrefillMixin:
       )
     width = self.prefill_bucket(int(lengths.max()))
     kb, nb = next_pow2(k), next_pow2(n)
+    if self.prefill_batch_prompts is not None:
+      if k > self.prefill_batch_prompts:
+        raise ValueError(
+          f"prefill_batch got {k} prompts; this engine's prefill_batch_prompts is "
+          f"{self.prefill_batch_prompts} (split the batch)"
+        )
+      kb = self.prefill_batch_prompts
+      nb = next_pow2(kb * max(counts))
     tokens = np.zeros((kb, width), np.int32)
     for i, p in enumerate(prompts):
       tokens[i, : lengths[i]] = p

@@ -122,6 +122,7 @@ def test_more_requests_than_pages_are_queued_and_all_finish():
   for c in again.finished:
     np.testing.assert_array_equal(c.tokens, first_run[c.request_id])
   assert eng.generate_compiles == 1
+  assert again.stats["compiles"] == 0  # every program's shapes repeat the first run's
 
 
 def test_stop_token_and_stop_string():
@@ -219,6 +220,52 @@ def test_resumed_partial_matches_the_uninterrupted_sequence():
     np.testing.assert_allclose(c.logprobs, whole[rid].logprobs, atol=1e-5, rtol=0)
     np.testing.assert_array_equal(c.key, whole[rid].key)
   assert eng.generate_compiles == 1
+
+
+def test_fixed_prefill_batches_compile_nothing_new_for_other_counts_of_resumes():
+  """Partial rollouts resume sequences in every count. With prefill_batch_prompts the driver
+  splits each (length bucket, samples per prompt) batch into calls of that many prompts: after
+  one staged run, runs with other counts of groups, singles and resumes compile no new
+  program, and the tokens are those of an engine that pads each call to its own count."""
+  cfg, graphdef, params = tiny_model()
+  engines = [
+    Engine(
+      cfg,
+      graphdef,
+      max_concurrent_decodes=8,
+      num_pages=96,
+      page_size=4,
+      max_prefill_length=S - 1,
+      prefill_chunk_size=16,
+      max_target_length=S,
+      tokenizer=TOK,
+      prefill_batch_prompts=p,
+    )  # fmt: skip
+    for p in (2, None)
+  ]
+  runs = []
+  for eng in engines:
+    driver = Driver(eng, steps_per_call=2, eos_id=None)
+    out, compiles = [], []
+    for n_groups, n_single, cut in ((3, 3, 2), (1, 4, 1), (2, 1, 3), (3, 2, 2)):
+      reqs = _requests(n_groups=n_groups, g=2, n_single=n_single, max_new=12)
+      by_id = {r.request_id: r for r in reqs}
+      turns = iter(range(1000))
+      stop = lambda _, t=turns, k=cut: next(t) == k  # noqa: E731
+      first = driver.run(params, reqs, seed=n_groups, stop_when=stop)
+      todo = [_resume(c, by_id[c.request_id]) for c in first.partial] + first.unstarted
+      rest = driver.run(params, todo, seed=n_groups)
+      assert first.partial and len(first.finished) + len(rest.finished) == len(reqs)
+      out.append({c.request_id: c.tokens for c in first.finished + rest.finished})
+      compiles.append(first.stats["compiles"] + rest.stats["compiles"])
+    runs.append((out, compiles))
+  (fixed, fixed_compiles), (free, free_compiles) = runs
+  assert fixed_compiles[0] > 0 and fixed_compiles[1:] == [0, 0, 0], fixed_compiles
+  assert sum(free_compiles[1:]) > 0, free_compiles  # counts the first run had not seen
+  for a, b in zip(fixed, free, strict=True):
+    assert a.keys() == b.keys()
+    for rid in a:
+      np.testing.assert_array_equal(a[rid], b[rid], err_msg=str(rid))
 
 
 def test_resume_under_new_weights_tags_each_token_with_its_version():

@@ -366,6 +366,70 @@ def test_multi_group_prefill_compiles_once_per_bucket():
     )
 
 
+def test_a_fixed_prefill_batch_size_is_one_program_for_every_prompt_count():
+  """With prefill_batch_prompts=4, batches of 1-4 prompts whose largest group is 2 samples share one
+  prefill and one insert program (padded to 4 prompts, 8 sample rows), and draw the same
+  tokens as an engine that pads each batch to its own power of two; 5 prompts are refused."""
+  cfg, graphdef, params = tiny_model()
+  fixed = Engine(
+    cfg, graphdef, max_concurrent_decodes=8, num_pages=64, page_size=4,
+    max_prefill_length=20, prefill_chunk_size=8, max_target_length=S, prefill_batch_prompts=4,
+  )  # fmt: skip
+  free = _engine(8, 8, 64)
+  programs = []
+  for k, counts in ((3, [2, 2, 1]), (1, [2]), (4, [1, 2, 2, 1]), (2, [1, 2])):
+    prompts = [[(5 * k + i + j) % 200 + 1 for j in range(5 + i % 3)] for i in range(k)]
+    n = sum(counts)
+    kw = dict(
+      num_samples=counts,
+      sampler=[SAMPLED] * n,
+      rng=np.stack([request_key(k, r) for r in range(n)]),
+      max_new_tokens=[4] * k,
+      stop_token_ids=[()] * k,
+    )
+    got = []
+    for eng in (fixed, free):
+      st = eng.init_decode_state()
+      batch, first = eng.prefill_batch(params, prompts, **kw)
+      st = eng.insert_batch(batch, st, list(range(n)), list(range(n)))
+      st, res = eng.generate_steps(params, st, 3)
+      first, res = first.convert_to_numpy(), res.convert_to_numpy()
+      got.append(
+        [
+          np.concatenate(
+            [first.get_result_at_slot(j).tokens.reshape(-1), res.get_result_at_slot(j).tokens[:, 0]]
+          )
+          for j in range(n)
+        ]
+      )
+      for j in range(n):
+        eng.free_resource(j)
+    np.testing.assert_array_equal(np.stack(got[0]), np.stack(got[1]), err_msg=str(counts))
+    programs.append((fixed._prefill_jit._cache_size(), fixed._insert_jit._cache_size()))
+  assert programs == [(1, 1)] * 4, programs
+  # The power-of-two engine compiled a program for each prompt count (1, 2, 4 prompts).
+  assert free._prefill_jit._cache_size() >= 3
+  with pytest.raises(ValueError, match="got 5 prompts; this engine's prefill_batch_prompts is 4"):
+    fixed.prefill_batch(
+      params,
+      [PROMPTS[10]] * 5,
+      num_samples=[1] * 5,
+      sampler=[SAMPLED] * 5,
+      rng=np.stack([request_key(0, r) for r in range(5)]),
+      max_new_tokens=[4] * 5,
+      stop_token_ids=[()] * 5,
+    )
+  with pytest.raises(ValueError, match="prefill_batch_prompts must be a positive int or None"):
+    Engine(
+      cfg,
+      graphdef,
+      max_concurrent_decodes=2,
+      num_pages=4,
+      max_prefill_length=8,
+      prefill_batch_prompts=0,
+    )
+
+
 def test_out_of_pages_and_bad_requests():
   _, _, params = tiny_model()
   eng = _engine(3, 8, 6)  # 6 pages of 4 tokens
