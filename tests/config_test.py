@@ -301,7 +301,7 @@ def test_complete_leaves_a_section_given_as_a_value_for_validate_to_report():
       "rl.rollout.zzz",
       "unknown field config.rl.rollout.zzz; valid fields of config.rl.rollout: batching, "
       "kv_dtype, learner_fake_quant, learner_fake_quant_part, num_pages, overlap_rewards, "
-      "page_size, quantize, routes, slots, steps_per_call",
+      "page_size, prefill_batch_prompts, quantize, routes, slots, steps_per_call",
     ),
     ("nope.x", "unknown field config.nope.x; valid fields of config: checkpoint, distill,"),
   ],
