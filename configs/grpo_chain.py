@@ -11,15 +11,14 @@ Launch:
   bash launch/train.sh --config=configs/grpo_chain.py:partial    # partial rollouts
   bash launch/train.sh --config=configs/grpo_chain.py:smoke      # (or partial_smoke) a minute
 
-Expected (bench/partial_rollouts.py, docs/benchmarks.md, 2026-12-02, seeds 0-4, rollout phases
-with a 250-step warm-start held fixed): once each prefill bucket has compiled, ':partial'
-completes 1.30x (1.01-1.56) the groups per second of synchronous rollouts in 36% of the decode
-steps; counting the compiles of new resume buckets in the first 11 phases, 0.69x. Over
-training (docs/results.md, "Partial vs synchronous rollouts on the chain task", native ISA):
-held-out greedy accuracy ends within the synchronous arm's, paired by seed (+0.002
-[-0.025, +0.029], seeds 0-4), in about 0.36x the decode steps; in wall-clock the one pair
-run alone was slower (0.81x the groups per second). A seed takes ~15 minutes of SFT and
-~3-8 of RL on a 2-core CPU. ':smoke' takes about a minute and only checks that everything moves.
+Expected (bench/partial_rollouts.py, docs/benchmarks.md, 2026-12-04, seeds 0-4, rollout phases
+with a 600-step warm-start held fixed, AMD AVX2 VM): ':partial' completes 1.22x (0.72-1.54) the
+groups per second of synchronous rollouts counting compiles, 1.32x (1.07-1.54) without them, in
+43% of the decode steps. Over training (docs/results.md, "Partial vs synchronous rollouts on
+the chain task", native ISA, the earlier engine): held-out greedy accuracy ends within the
+synchronous arm's, paired by seed (+0.002 [-0.025, +0.029], seeds 0-4), in about 0.36x the
+decode steps. A seed takes ~10-15 minutes of SFT and ~3-8 of RL on a 2-core CPU. ':smoke'
+takes about a minute and only checks that everything moves.
 """
 
 from pathlib import Path

@@ -58,17 +58,13 @@ def _requests(n_groups=2, g=3, n_single=4, max_new=10):
 def _resumable_engine() -> Engine:
   """Room to re-prefill a prompt with its partial completion (up to S - 1 tokens), in chunks of
   8: short resumes share a batched prefill, long ones go chunk by chunk."""
+  return _new_resumable_engine(max_concurrent_decodes=3, num_pages=24, prefill_chunk_size=8)
+
+
+def _new_resumable_engine(**kw) -> Engine:
   cfg, graphdef, _ = tiny_model()
   return Engine(
-    cfg,
-    graphdef,
-    max_concurrent_decodes=3,
-    num_pages=24,
-    page_size=4,
-    max_prefill_length=S - 1,
-    prefill_chunk_size=8,
-    max_target_length=S,
-    tokenizer=TOK,
+    cfg, graphdef, page_size=4, max_prefill_length=S - 1, max_target_length=S, tokenizer=TOK, **kw
   )
 
 
@@ -227,20 +223,11 @@ def test_fixed_prefill_batches_compile_nothing_new_for_other_counts_of_resumes()
   splits each (length bucket, samples per prompt) batch into calls of that many prompts: after
   one staged run, runs with other counts of groups, singles and resumes compile no new
   program, and the tokens are those of an engine that pads each call to its own count."""
-  cfg, graphdef, params = tiny_model()
+  _, _, params = tiny_model()
   engines = [
-    Engine(
-      cfg,
-      graphdef,
-      max_concurrent_decodes=8,
-      num_pages=96,
-      page_size=4,
-      max_prefill_length=S - 1,
-      prefill_chunk_size=16,
-      max_target_length=S,
-      tokenizer=TOK,
-      prefill_batch_prompts=p,
-    )  # fmt: skip
+    _new_resumable_engine(
+      max_concurrent_decodes=8, num_pages=96, prefill_chunk_size=16, prefill_batch_prompts=p
+    )
     for p in (2, None)
   ]
   runs = []

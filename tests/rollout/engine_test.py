@@ -369,7 +369,8 @@ def test_multi_group_prefill_compiles_once_per_bucket():
 def test_a_fixed_prefill_batch_size_is_one_program_for_every_prompt_count():
   """With prefill_batch_prompts=4, batches of 1-4 prompts whose largest group is 2 samples share one
   prefill and one insert program (padded to 4 prompts, 8 sample rows), and draw the same
-  tokens as an engine that pads each batch to its own power of two; 5 prompts are refused."""
+  tokens as an engine that pads each batch to its own power of two; 5 prompts are refused (a
+  bad value is refused by the constructor: test_out_of_pages_and_bad_requests)."""
   cfg, graphdef, params = tiny_model()
   fixed = Engine(
     cfg, graphdef, max_concurrent_decodes=8, num_pages=64, page_size=4,
@@ -419,15 +420,6 @@ def test_a_fixed_prefill_batch_size_is_one_program_for_every_prompt_count():
       max_new_tokens=[4] * 5,
       stop_token_ids=[()] * 5,
     )
-  with pytest.raises(ValueError, match="prefill_batch_prompts must be a positive int or None"):
-    Engine(
-      cfg,
-      graphdef,
-      max_concurrent_decodes=2,
-      num_pages=4,
-      max_prefill_length=8,
-      prefill_batch_prompts=0,
-    )
 
 
 def test_out_of_pages_and_bad_requests():
@@ -444,16 +436,13 @@ def test_out_of_pages_and_bad_requests():
     eng.prefill_prompt(params, list(range(3, 24)), sampler=GREEDY)
   with pytest.raises(ValueError, match="max_target_length of 40"):
     eng.prefill_prompt(params, PROMPTS[13], sampler=GREEDY, max_new_tokens=33)
-  with pytest.raises(ValueError, match="prefill_chunk_size"):
-    cfg, graphdef, _ = tiny_model()
-    Engine(
-      cfg,
-      graphdef,
-      max_concurrent_decodes=2,
-      num_pages=4,
-      max_prefill_length=8,
-      prefill_chunk_size=12,
-    )
+  cfg, graphdef, _ = tiny_model()
+  for bad, message in (
+    (dict(prefill_chunk_size=12), "prefill_chunk_size"),
+    (dict(prefill_batch_prompts=0), "prefill_batch_prompts must be a positive int or None"),
+  ):
+    with pytest.raises(ValueError, match=message):
+      Engine(cfg, graphdef, max_concurrent_decodes=2, num_pages=4, max_prefill_length=8, **bad)
   with pytest.raises(ValueError, match="slot 5"):
     eng.insert(prefix, st, 5)
 
