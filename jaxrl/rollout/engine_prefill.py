@@ -197,8 +197,9 @@ class PrefillMixin:
     (default 0): one per sample, as in `prefill_multisampling`. The call is
     padded to buckets, so one program serves every batch of one (prompt count, sample count,
     length) bucket: prompts and samples to powers of two (or, with the engine's
-    `prefill_batch_prompts`, prompts to that count and samples to the power of two above it
-    times the most samples of a prompt), length to the longest prompt's `prefill_bucket`.
+    `prefill_batch_prompts`, prompts to that count and samples to the power of two at or above
+    that count times the most samples of one prompt), length to the longest prompt's
+    `prefill_bucket`.
     Prompts sharing a length bucket give the tokens, log-probs and cache entries
     `prefill_prompt` gives each alone.
     Returns (PrefillBatch, ResultTokens with data [N, 5]).
