@@ -398,6 +398,9 @@ class Experience:
       for k, v in e.items():
         engine[k] = engine.get(k, 0.0) + float(v)
     stats["rl/reward_errors"] = float(sum(x[2] for x in rounds))
+    # Programs the engine compiled this step depend on what the process saw before (a resumed
+    # run compiles again), like the timings: logged with them, out of the reproducible metrics.
+    stats["time/rollout_compiles"] = engine.pop("compiles", 0.0)
     stats.update({f"rollout/{k}": v for k, v in engine.items()})
     rollout = jax.tree.map(np.asarray, rollout)
     return StepRollouts(rollout, np.asarray(r), row_weight, stats, group_sizes)
