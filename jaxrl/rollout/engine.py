@@ -83,12 +83,8 @@ class Engine(PrefillMixin):
       scales fit its weights) from that prefill's keys and values: amax * kv_margin / 448, so
       decode-time values up to kv_margin times the prompts' largest are kept, larger ones
       saturate (never inf or NaN). The prefill itself attends in full precision.
-    prefill_batch_prompts: every batched prefill (`prefill_batch`) is padded to exactly this
-      many prompts, and the driver splits larger batches into calls of it; None pads each call
-      to the power of two above its prompt count. Fixed, the batched prefill and insert compile
-      one program per (length bucket, samples per prompt) instead of one per power of two of
-      each count as well: resumed partial sequences come in every count, and on a CPU each new
-      program costs seconds (bench/partial_rollouts.py).
+    prefill_batch_prompts: each `prefill_batch` padded to exactly this many prompts (the driver
+      splits larger ones): one program per length bucket, not per count; None: powers of two.
   """
 
   def __init__(
@@ -117,13 +113,10 @@ class Engine(PrefillMixin):
       raise ValueError(f"engine kv_margin={kv_margin!r} must be >= 1")
     if capture_routes and not cfg.num_experts:
       raise ValueError("engine capture_routes=True needs an MoE model (model.num_experts > 0)")
-    if prefill_batch_prompts is not None and (
-      not isinstance(prefill_batch_prompts, int) or prefill_batch_prompts <= 0
-    ):
-      raise ValueError(
-        "engine prefill_batch_prompts must be a positive int or None, got "
-        f"{prefill_batch_prompts!r}"
-      )
+    pbp = prefill_batch_prompts
+    if pbp is not None and not (isinstance(pbp, int) and pbp > 0):
+      msg = f"positive int or None, got {pbp!r}"
+      raise ValueError(f"engine prefill_batch_prompts must be a {msg}")
     for name, value in (
       ("max_concurrent_decodes", max_concurrent_decodes),
       ("num_pages", num_pages),
@@ -255,8 +248,7 @@ class Engine(PrefillMixin):
 
   @property
   def program_count(self) -> int:
-    """Programs compiled so far by the engine's jitted calls (prefill, insert, decode): a run
-    whose shapes all repeat an earlier run's adds none."""
+    """Programs compiled so far by the engine's jitted calls (a run of known shapes adds none)."""
     jits = (self._prefill_jit, self._insert_jit, self._generate_jit, self._generate_steps_jit)
     return sum(j._cache_size() for j in jits + (self._deactivate_jit, self._zero_state))
 
@@ -395,8 +387,7 @@ class Engine(PrefillMixin):
     if need > self.allocator.num_free:
       raise OutOfPages(f"need {need} KV pages, {self.allocator.num_free} are free")
     decode_state = self._apply_releases(decode_state)
-    # Padded to the batch's sample rows, so a prefill program has one insert program.
-    gb = len(batch.keys)
+    gb = len(batch.keys)  # the batch's sample rows: one insert program per prefill program
     width = batch.cache[0][0].shape[1]
     slot_arr = np.full(gb, self._slots, np.int32)  # padding: an out-of-range slot, dropped
     row_of = np.zeros(gb, np.int32)
