@@ -47,8 +47,15 @@ def _read_rows(path: str) -> list[tuple[int, Any]]:
       ) from None
     return list(enumerate(pq.read_table(path).to_pylist(), start=1))
   rows = []
-  with open(path, encoding="utf-8") as f:
-    for line_no, line in enumerate(f, start=1):
+  with open(path, "rb") as f:
+    for line_no, raw in enumerate(f, start=1):
+      try:
+        line = raw.decode("utf-8")
+      except UnicodeDecodeError as e:
+        raise RecordError(
+          f"{path}:{line_no}: not UTF-8 (byte {raw[e.start]:#04x} at column {e.start + 1}); "
+          "JSONL files must be UTF-8 encoded"
+        ) from None
       if not line.strip():
         continue  # a trailing newline or blank separator is not a record
       try:

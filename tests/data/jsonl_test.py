@@ -100,6 +100,14 @@ def test_bad_records_name_line_and_field(tmp_path, bad_line, message):
     JsonlTask(path)
 
 
+def test_a_line_that_is_not_utf8_is_named(tmp_path):
+  path = _write(tmp_path / "latin1.jsonl", [GSM8K_LINES[0]])
+  with open(path, "ab") as f:
+    f.write('{"question": "caf\u00e9?", "answer": "#### 3"}\n'.encode("latin-1"))
+  with pytest.raises(RecordError, match=r"latin1.jsonl:2: not UTF-8 \(byte 0xe9 at column 18\)"):
+    JsonlTask(path)
+
+
 def test_bad_files_and_arguments(tmp_path):
   with pytest.raises(FileNotFoundError, match="missing.jsonl' does not exist"):
     JsonlTask(str(tmp_path / "missing.jsonl"))
