@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -11,6 +12,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
+from jaxrl.guard import NonFiniteError, all_finite
 from jaxrl.mesh import path_str
 
 # How many offending leaves a mismatch error lists per category before eliding the rest.
@@ -19,6 +21,11 @@ _MAX_LISTED = 10
 
 class CheckpointError(ValueError):
   """A checkpoint on disk cannot be restored into the requested target."""
+
+
+class UnreadableCheckpointError(CheckpointError):
+  """A checkpoint's files cannot be read (missing, truncated or corrupt), as opposed to a
+  readable checkpoint of another layout (a `CheckpointError` that no older step would fix)."""
 
 
 class Checkpointer:
@@ -70,6 +77,7 @@ class Checkpointer:
 
     Saves only when `step % save_every == 0` or `force`. A step that is already on disk is
     not overwritten (returns False): a forced final save right after a periodic one is a no-op.
+    A state with a NaN or inf in any floating-point leaf is never written: `NonFiniteError`.
     """
     self._check_open()
     step = int(step)
@@ -82,6 +90,11 @@ class Checkpointer:
     self.wait()
     if step in self._manager.all_steps():
       return False
+    if not all_finite(state):
+      raise NonFiniteError(
+        f"not writing checkpoint {step} to {self.directory}: the state holds NaN or inf "
+        f"values; the checkpoints already there are left as they are"
+      )
     # `force=True` because the save_every decision is ours; orbax's own interval policy
     # would otherwise skip steps it did not expect.
     return bool(
@@ -129,9 +142,9 @@ class Checkpointer:
     try:
       saved = self._manager.item_metadata(step).state
     except Exception as e:
-      raise CheckpointError(f"cannot read checkpoint metadata in {step_dir}: {e}") from e
+      raise UnreadableCheckpointError(f"cannot read checkpoint metadata in {step_dir}: {e}") from e
     if saved is None:
-      raise CheckpointError(f"checkpoint {step_dir} has no readable 'state' item")
+      raise UnreadableCheckpointError(f"checkpoint {step_dir} has no readable 'state' item")
     problems = _describe_mismatch(getattr(saved, "tree", saved), target)
     if problems:
       raise CheckpointError(
@@ -146,8 +159,45 @@ class Checkpointer:
       )
     except Exception as e:
       # Whatever the structural check above could not see: missing or corrupt array data.
-      raise CheckpointError(f"cannot restore checkpoint {step_dir}: {e}") from e
+      raise UnreadableCheckpointError(f"cannot restore checkpoint {step_dir}: {e}") from e
     return restored.state, restored.meta
+
+  def restore_newest_readable(self, abstract_state: Any, log=print) -> tuple[int, Any, dict] | None:
+    """(step, state, meta) of the newest checkpoint that can be read; None if there is none.
+
+    A newer step whose files cannot be read (`UnreadableCheckpointError`: a disk that lost or
+    truncated files) is moved out of the way, to `<directory>.unreadable/<step>` (kept for
+    inspection; later saves and restores no longer see it), with a log line, and the step
+    before it is tried. If no step can be read nothing is moved and the newest step's error is
+    raised. A readable checkpoint of another layout raises `CheckpointError` at once: an older
+    step would not match either.
+    """
+    steps = self.all_steps()
+    errors = []
+    for step in reversed(steps):
+      try:
+        state, meta = self.restore(step, abstract_state)
+      except UnreadableCheckpointError as e:
+        errors.append((step, e))
+        continue
+      if errors:
+        aside = self.directory.with_name(self.directory.name + ".unreadable")
+        aside.mkdir(exist_ok=True)
+        for bad, e in errors:
+          dest = aside / str(bad)
+          shutil.rmtree(dest, ignore_errors=True)  # an earlier run's copy of the same step
+          os.replace(self.directory / str(bad), dest)
+          log(f"[jaxrl] checkpoint {bad} cannot be read ({_first_line(e)}); moved to {dest}")
+        self._manager.reload()
+        log(f"[jaxrl] falling back to checkpoint {step} in {self.directory}")
+      return step, state, meta
+    if errors:
+      newest, e = errors[0]
+      raise UnreadableCheckpointError(
+        f"no checkpoint in {self.directory} can be read (steps {steps}); the newest, {newest}: "
+        f"{e}. Delete the directory to start the phase again, or use another workdir."
+      ) from e
+    return None
 
   def restore_subtree(self, step: int, abstract_subtree: Any) -> Any:
     """Restores only the leaves of `abstract_subtree` (a pytree of dicts naming a part of the
@@ -205,6 +255,11 @@ class Checkpointer:
   def _check_open(self) -> None:
     if self._closed:
       raise RuntimeError(f"Checkpointer for {self.directory} is closed")
+
+
+def _first_line(e: Exception) -> str:
+  text = str(e).strip().splitlines()
+  return text[0] if text else type(e).__name__
 
 
 def _as_abstract(x: Any) -> Any:

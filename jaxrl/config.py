@@ -165,7 +165,15 @@ class RewardConfig:
   on_error: str = _field(
     "raise",
     choices=("raise", "zero"),
-    help="a reward function that raises: stop the run, or score 0 and count it",
+    help="a reward function that raises or returns a non-number, a non-finite value or one "
+    "beyond max_abs: stop the run, or score 0 and count it",
+  )
+  max_abs: float = _field(
+    1e6,
+    lo=0.0,
+    lo_open=True,
+    help="the largest |reward| accepted; beyond it a reward is an error (per on_error) before "
+    "float32 advantages can overflow",
   )
 
 
@@ -255,6 +263,19 @@ class CheckpointConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class GuardConfig:
+  """Non-finite numbers (jaxrl.guard): an optimizer update whose loss, gradient or update holds
+  a NaN or inf is skipped (params and optimizer state unchanged) and counted."""
+
+  max_nonfinite_updates: int = _field(
+    10,
+    lo=1,
+    help="consecutive skipped updates after which the run stops with an error; checkpoints "
+    "only ever hold finite states",
+  )
+
+
+@dataclasses.dataclass(frozen=True)
 class LogConfig:
   progress: bool = _field(True, help="progress bars on stderr")
   tensorboard: bool = _field(True, help="also write TensorBoard events under workdir/tb")
@@ -280,6 +301,7 @@ class Config:
   distill: DistillConfig = dataclasses.field(default_factory=DistillConfig)
   eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
   checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
+  guard: GuardConfig = dataclasses.field(default_factory=GuardConfig)
   log: LogConfig = dataclasses.field(default_factory=LogConfig)
 
 
@@ -493,6 +515,14 @@ def validate(cfg) -> Config:
     "task.path",
     c.task.path,
     "a JSONL/Parquet file when task.name='jsonl'",
+  )
+  from jaxrl import rewards  # here: the registry, with whatever a config module registered
+
+  check(
+    c.reward.name in rewards.names(),
+    "reward.name",
+    c.reward.name,
+    f"one of {list(rewards.names())} (or a function registered with jaxrl.rewards.register)",
   )
   check(
     not (c.task.chat and c.model.tokenizer == "byte"),

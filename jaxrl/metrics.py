@@ -6,6 +6,7 @@ import json
 import math
 import numbers
 import os
+import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -87,6 +88,7 @@ class MetricsWriter:
     self.use_tensorboard = use_tensorboard
     self._file = None
     self._tb = None
+    self._purge_step = None  # TensorBoard: hide events from here on (steps about to re-run)
     if self.enabled:
       self.workdir.mkdir(parents=True, exist_ok=True)
 
@@ -117,7 +119,15 @@ class MetricsWriter:
       # Imported lazily: tensorboardX pulls in protobuf, which plain JSONL logging never needs.
       from tensorboardX import SummaryWriter
 
-      self._tb = SummaryWriter(logdir=str(self.workdir / "tb"))
+      # purge_step writes TensorBoard's restart marker: events of the earlier try at steps
+      # >= it are hidden, so re-run steps do not appear twice.
+      # The suffix keeps a writer opened within the same second (the file name counts whole
+      # seconds) from overwriting the earlier one's file.
+      self._tb = SummaryWriter(
+        logdir=str(self.workdir / "tb"),
+        purge_step=self._purge_step,
+        filename_suffix=f".{time.time_ns()}",
+      )
     x = int(record.get("global_step", record["step"]))
     for key, value in record.items():
       if key in _RESERVED or key == "global_step":
@@ -128,14 +138,27 @@ class MetricsWriter:
   def truncate_after(self, phase: str, step: int) -> int:
     """Drops records of `phase` with step >= `step`; returns how many were dropped.
 
-    Call on resume from checkpoint `step`, before the first `write`, so the steps that
-    are about to be re-run do not appear twice. Records of other phases are kept.
+    Call on resume from checkpoint `step` (0: a phase starting over, having no checkpoint),
+    before the first `write`, so the steps that are about to be re-run do not appear twice.
+    Records of other phases are kept. TensorBoard hides the earlier try's events from the
+    first dropped record's step on (its restart marker, written with the next event).
     """
     if not self.enabled or not self.path.exists():
       return 0
     self._close_file()
     lines = _parse_lines(self.path)
-    kept = [raw for raw, r in lines if r.get("phase") != phase or int(r["step"]) < step]
+    kept, dropped = [], []
+    for raw, r in lines:
+      if r.get("phase") != phase or int(r["step"]) < step:
+        kept.append(raw)
+      else:
+        dropped.append(int(r.get("global_step", r["step"])))
+    if dropped and self.use_tensorboard:
+      first = min(dropped) if self._purge_step is None else min(self._purge_step, *dropped)
+      self._purge_step = first
+      if self._tb is not None:  # reopened with the marker at the next write
+        self._tb.close()
+        self._tb = None
     # Rewrite through a temporary file and a rename, so a crash here loses nothing.
     _write_atomically(self.path, "".join(line + "\n" for line in kept))
     return len(lines) - len(kept)

@@ -35,6 +35,7 @@ def main(argv):
   logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO
   # Imported here so that --help and flag errors do not pay for importing jax.
   from jaxrl.config import ConfigError, validate
+  from jaxrl.guard import NonFiniteError
   from jaxrl.rl.loop import Trainer
 
   try:
@@ -43,6 +44,8 @@ def main(argv):
     sys.exit(f"error in config: {e}")
   try:
     trainer.run()
+  except NonFiniteError as e:
+    sys.exit(f"error: {e}")  # after `finally` has finished the in-flight checkpoint writes
   finally:
     trainer.close()
 

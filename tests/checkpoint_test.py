@@ -14,7 +14,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxrl.checkpoint import Checkpointer, CheckpointError
+from jaxrl.checkpoint import Checkpointer, CheckpointError, UnreadableCheckpointError
 
 META = {"data": {"some": [1, 2]}, "phase": "rl"}
 
@@ -221,4 +221,56 @@ def test_corrupted_checkpoint_names_directory(tmp_path):
       ckpt.restore(4, abstract(state))
   # Let those stray completions land inside this test, where the warning is filtered, rather
   # than in whichever test runs next.
+  time.sleep(0.5)
+
+
+def _lose_array_data(step_dir):
+  for name in os.listdir(step_dir / "state"):
+    if (step_dir / "state" / name).is_dir():
+      shutil.rmtree(step_dir / "state" / name)
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+def test_unreadable_newest_checkpoints_fall_back_to_the_newest_readable(tmp_path):
+  d = tmp_path / "rl"
+  states = {s: make_state(seed=s) for s in (2, 4, 6)}
+  with Checkpointer(d, max_to_keep=3) as ckpt:
+    for s, st in states.items():
+      ckpt.save(s, st, {**META, "step": s})
+  _lose_array_data(d / "6")
+  (d / "4" / "meta" / "metadata").write_text("{ truncated")  # a torn JSON side-car
+  logged = []
+  with Checkpointer(d, max_to_keep=3) as ckpt:
+    step, state, meta = ckpt.restore_newest_readable(abstract(make_state()), log=logged.append)
+    assert (step, meta["step"]) == (2, 2)
+    assert_bit_identical(state, states[2])
+    # The unreadable steps were moved aside, with a line each; the run saves 4 and 6 anew.
+    assert ckpt.all_steps() == [2]
+    assert sorted(p.name for p in (tmp_path / "rl.unreadable").iterdir()) == ["4", "6"]
+    assert any("checkpoint 6 cannot be read" in x for x in logged)
+    assert logged[-1].endswith(f"falling back to checkpoint 2 in {d}")
+    assert ckpt.save(4, states[4], META)
+    assert ckpt.all_steps() == [2, 4]
+  time.sleep(0.5)
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+def test_no_readable_checkpoint_raises_and_moves_nothing(tmp_path):
+  with Checkpointer(tmp_path / "sft") as ckpt:
+    assert ckpt.restore_newest_readable(abstract(make_state())) is None  # nothing yet: None
+    ckpt.save(3, make_state(), META)
+  _lose_array_data(tmp_path / "sft" / "3")
+  with Checkpointer(tmp_path / "sft") as ckpt:
+    with pytest.raises(UnreadableCheckpointError, match=r"no checkpoint in .*sft can be read"):
+      ckpt.restore_newest_readable(abstract(make_state()))
+    assert ckpt.all_steps() == [3]
+  assert not (tmp_path / "sft.unreadable").exists()
+  # A readable checkpoint of another layout is not "unreadable": no older step would fit.
+  with Checkpointer(tmp_path / "other") as ckpt:
+    ckpt.save(1, make_state(din=3), META)
+    ckpt.save(2, make_state(din=3), META)
+    with pytest.raises(CheckpointError, match="shape differs") as e:
+      ckpt.restore_newest_readable(abstract(make_state(din=4)))
+    assert not isinstance(e.value, UnreadableCheckpointError)
+    assert ckpt.all_steps() == [1, 2]
   time.sleep(0.5)

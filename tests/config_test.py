@@ -97,6 +97,10 @@ def test_defaults_and_the_shipped_config_validate():
       r"config\.rl\.loss\.name='x' is invalid; allowed: \[.*ppo_clip",
     ),
     ({"reward": {"on_error": "skip"}}, r"config\.reward\.on_error='skip' is invalid"),
+    (
+      {"reward": {"name": "exact_mach"}},
+      r"config\.reward\.name='exact_mach' is invalid; allowed: one of \[.*'exact_match'",
+    ),
     ({"task": {"ops": "+/"}}, r"config\.task\.ops='\+/' is invalid"),
     ({"mesh": {"fsdp": 0}}, r"config\.mesh\.fsdp=0 is invalid"),
     (

@@ -101,3 +101,18 @@ def test_an_unknown_flag_names_the_field_and_the_closest_ones(tmp_path):
     "config.sft.careless_rate?" in out.stderr
   ), out.stderr[-2000:]
   assert not tmp_path.exists() or not any(tmp_path.iterdir())
+
+
+def test_a_diverging_run_exits_nonzero_with_the_guard_message(tmp_path):
+  # Before the non-finite guard this trained NaN params to the end and exited 0.
+  out = _train(
+    f"--config.workdir={tmp_path}",
+    "--config.sft.learning_rate=1e5",
+    "--config.sft.warmup_steps=0",
+    "--config.guard.max_nonfinite_updates=2",
+    "--config.log.progress=false",
+  )
+  assert out.returncode != 0
+  assert "error: SFT stopped at step" in out.stderr, out.stderr[-2000:]
+  assert "Lower sft.learning_rate" in out.stderr
+  assert "Traceback" not in out.stderr  # one clear message, no stack or clean-up noise

@@ -132,3 +132,56 @@ def test_progress_shows_compact_postfix(capsys):
   with Progress(total=3, enabled=False) as p:
     p.update(3, loss=1.0)
   assert capsys.readouterr().out == ""
+
+
+def _tb_events(logdir):
+  """Every event of every TensorBoard file under `logdir`, in writing order (TFRecord framing:
+  length, its CRC, the Event proto, its CRC)."""
+  import struct
+
+  from tensorboardX.proto import event_pb2
+
+  events = []
+  for path in sorted(logdir.glob("events.out.tfevents.*"), key=lambda p: p.stat().st_mtime_ns):
+    data, i = path.read_bytes(), 0
+    while i < len(data):
+      (n,) = struct.unpack("<Q", data[i : i + 8])
+      e = event_pb2.Event()
+      e.ParseFromString(data[i + 12 : i + 12 + n])
+      events.append(e)
+      i += 12 + n + 4
+  return events
+
+
+def _scalars(events):
+  return [(e.step, v.tag, v.simple_value) for e in events for v in e.summary.value]
+
+
+def test_rerun_steps_are_hidden_from_tensorboard_after_a_restart(tmp_path):
+  # A try killed after RL steps 1-2 (global 21-22) and before any RL checkpoint: the next
+  # try drops those rows (truncate_after(phase, 0)) and TensorBoard gets its restart marker
+  # at global step 21, which hides the first try's events from there on.
+  with MetricsWriter(tmp_path) as w:
+    w.write(20, {"sft/loss": 1.0, "global_step": 20}, phase="sft")
+    for s in (1, 2):
+      w.write(s, {"rl/reward_mean": float(s), "global_step": 20 + s})
+  n_first = len(_tb_events(tmp_path / "tb"))
+  assert not any(e.HasField("session_log") for e in _tb_events(tmp_path / "tb"))
+  with MetricsWriter(tmp_path) as w:
+    assert w.truncate_after("rl", 0) == 2
+    w.write(1, {"rl/reward_mean": 10.0, "global_step": 21})
+  assert [(r["phase"], r["step"]) for r in read_jsonl(tmp_path / "metrics.jsonl")] == [
+    ("sft", 20),
+    ("rl", 1),
+  ]
+  later = _tb_events(tmp_path / "tb")[n_first:]
+  marker = [e for e in later if e.HasField("session_log")]
+  assert len(marker) == 1 and marker[0].step == 21
+  assert marker[0].session_log.status == marker[0].session_log.START
+  assert _scalars(later) == [(21, "rl/reward_mean", 10.0)]
+  # Without anything dropped, a resumed writer writes no marker.
+  n = len(_tb_events(tmp_path / "tb"))
+  with MetricsWriter(tmp_path) as w:
+    assert w.truncate_after("rl", 5) == 0
+    w.write(5, {"rl/reward_mean": 5.0, "global_step": 25})
+  assert not any(e.HasField("session_log") for e in _tb_events(tmp_path / "tb")[n:])

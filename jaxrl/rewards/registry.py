@@ -35,7 +35,12 @@ def get(name: str) -> RewardFn:
   return REWARDS.get(name)
 
 
-def _checked_reward(fn: RewardFn, completion: str, record: dict[str, Any]) -> float:
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
+
+
+def _checked_reward(
+  fn: RewardFn, completion: str, record: dict[str, Any], max_abs: float | None
+) -> float:
   value = fn(completion, record)
   # numbers.Real covers int/float/bool and numpy scalars; arrays and None are rejected.
   if not isinstance(value, numbers.Real):
@@ -43,6 +48,9 @@ def _checked_reward(fn: RewardFn, completion: str, record: dict[str, Any]) -> fl
   value = float(value)
   if not math.isfinite(value):
     raise ValueError(f"reward must be finite, got {value}")
+  limit = _FLOAT32_MAX if max_abs is None else max_abs
+  if abs(value) > limit:
+    raise ValueError(f"reward {value!r} is beyond the accepted range [-{limit:g}, {limit:g}]")
   return value
 
 
@@ -53,6 +61,7 @@ def compute_rewards(
   *,
   on_error: str,
   sample_ids: Sequence[int] | None = None,
+  max_abs: float | None = None,
 ) -> tuple[np.ndarray, int]:
   """Applies `fn` to each (completion, record) pair.
 
@@ -60,11 +69,15 @@ def compute_rewards(
     fn: the reward function.
     completions: decoded completions, one per sample.
     records: the task record of each sample (same length as `completions`).
-    on_error: what to do when `fn` raises or returns a non-number / non-finite value:
+    on_error: what to do when `fn` raises or returns a non-number, a non-finite value or one
+      beyond `max_abs`:
       "raise" raises `RewardError` naming the sample; "zero" scores that sample 0.0 and counts
       it, so one malformed completion cannot kill a long run (log the count as a metric).
     sample_ids: how an error names each sample (default: its index here), for callers that
       score a batch's samples in pieces.
+    max_abs: the largest |reward| accepted (None: the largest float32, as rewards are stored
+      in float32: 1e39 would become inf); config.reward.max_abs keeps it far lower so that
+      advantages and losses cannot overflow downstream.
 
   Returns:
     `(rewards, num_failures)`: float32 rewards of shape [len(completions)] and the number of
@@ -80,7 +93,7 @@ def compute_rewards(
   failures = 0
   for i, (completion, record) in enumerate(zip(completions, records, strict=True)):
     try:
-      rewards[i] = _checked_reward(fn, completion, record)
+      rewards[i] = _checked_reward(fn, completion, record, max_abs)
     except Exception as e:
       if on_error == "raise":
         prompt = record.get("prompt") if isinstance(record, dict) else None

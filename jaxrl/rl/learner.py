@@ -20,6 +20,7 @@ import numpy as np
 
 from jaxrl.config import Config
 from jaxrl.fake_quant import fake_quant_params
+from jaxrl.guard import NonFiniteGuard
 from jaxrl.models.transformer import token_logprobs
 from jaxrl.quant import UnderflowCounter, quantize_params
 from jaxrl.registry import ADVANTAGES
@@ -102,6 +103,12 @@ class Learner:
       self.optimizer, self.loss, num_microbatches=rl.num_microbatches, trainable=self.trainable
     )
     self.skip_rows = skips_zero_advantage_rows(cfg)
+    # Every update (policy and critic) skipped for a NaN or inf counts; the loop checks it.
+    self.guard = NonFiniteGuard(
+      cfg.guard.max_nonfinite_updates,
+      "RL",
+      hint="Check the rewards and the advantages (rl/adv_*), or lower rl.optim.learning_rate.",
+    )
     self._denominator = jax.jit(self.loss.denominator)
     # PPO (rl.advantage='gae'): a critic on the same mesh, trained on the same mini-batches.
     self.critic = None
@@ -183,9 +190,11 @@ class Learner:
         m = {}
         if self.critic is not None:
           critic, m = self.critic.step(critic, mb)
+          self.guard.update(m["opt/nonfinite"])
         if train_policy:
           policy_mb, denom = self._policy_rows(mb)
           policy, pm = self.step_fn(policy, policy_mb, denom)
+          self.guard.update(pm["opt/nonfinite"])
           m = {**m, **pm, "rl/trained_rows": policy_mb.size / size}
         history.append(m)
     out = {}

@@ -27,13 +27,14 @@ from __future__ import annotations
 
 import json
 import time
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxrl.config import Config
+from jaxrl.config import Config, ConfigError
 from jaxrl.mesh import use_mesh
 from jaxrl.metrics import MetricsWriter, Progress, plot_curves
 from jaxrl.models.lora import split_lora
@@ -47,10 +48,29 @@ from jaxrl.rl.sft import SFTPhase
 from jaxrl.rl.teacher import Teacher
 
 
+def refuse_used_workdir(workdir: Path) -> None:
+  """resume=False must not write into another run's workdir: its checkpoints would be kept
+  where this run's steps differ (saves to existing steps are skipped) and replaced where they
+  match, and metrics.jsonl would hold both runs."""
+  used = sorted(
+    str(p.relative_to(workdir))
+    for p in [*workdir.glob("checkpoints/*/[0-9]*"), *workdir.glob("metrics.jsonl")]
+  )
+  if used:
+    shown = ", ".join(used[:4]) + (f" and {len(used) - 4} more" if len(used) > 4 else "")
+    raise ConfigError(
+      f"config.resume=False but config.workdir={str(workdir)!r} already holds a run ({shown}); "
+      "its files would be mixed with this run's. Use a new workdir, delete this one, or set "
+      "config.resume=True to continue it."
+    )
+
+
 class Trainer:
   """One run: its stages, its RL checkpoints and metrics, and the loop that drives them."""
 
   def __init__(self, cfg: Config, *, log=print):
+    if not cfg.resume:
+      refuse_used_workdir(Path(cfg.workdir))
     self.cfg, self.log = cfg, log
     self.ctx = run = Run.build(cfg)
     self.workdir = run.workdir
@@ -111,9 +131,11 @@ class Trainer:
       self.ref_params = jax.tree.map(jnp.copy, frozen)
     it = iter(self.ctx.rl_stream())
     start, queued = 0, []
-    latest = self.rl_ckpt.latest_step() if cfg.resume else None
-    if latest is not None:
-      restored, meta = self.rl_ckpt.restore(latest, self._checkpoint_item(abstract))
+    found = None
+    if cfg.resume:  # the newest readable checkpoint (unreadable newer ones moved aside)
+      found = self.rl_ckpt.restore_newest_readable(self._checkpoint_item(abstract), self.log)
+    if found is not None:
+      latest, restored, meta = found
       self.state = LearnerState(restored["train"], restored.get("critic"))
       if self.teacher:
         self.teacher.load_state_dict(meta.get("distill", {}))
@@ -129,8 +151,11 @@ class Trainer:
       it.set_state(meta["data"])
       start = latest
       self.summary.update(meta.get("summary", {}))
+      self.learner.guard.resume(self.summary.get("rl_nonfinite_updates", 0))
       self.metrics.truncate_after("rl", start + 1)
       self.log(f"[jaxrl] resumed RL from step {start} in {self.rl_ckpt.directory}")
+    else:
+      self.metrics.truncate_after("rl", 0)  # rows of a try killed before its first checkpoint
     if cfg.eval.num_samples and "sampled_accuracy_after_sft" not in self.summary:
       # A warm-start made without it (eval.num_samples was 0 then): measured here, once.
       ev = self.evaluate(self.sft_params)
@@ -174,6 +199,7 @@ class Trainer:
     self.state, update_m = self.learner.update(self.state, batch, step)
     self.pipeline.publish(step + 1, self.state.policy.params)
     m = {k: float(v) for k, v in jax.device_get({**update_m, **rollout_m}).items()}
+    self.summary["rl_nonfinite_updates"] = self.learner.guard.check(step + 1)
     m.update(pipeline_m)
     m.update({"time/rollout_s": t1 - t0, "time/train_s": time.perf_counter() - t1})
     self._count_staleness(step, rolled)

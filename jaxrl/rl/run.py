@@ -159,9 +159,14 @@ class Run:
   def score(self, texts: list[str], records, sample_ids=None) -> tuple[np.ndarray, int]:
     """(rewards [B], number of reward-function errors) of completions against their records;
     `sample_ids` name the samples in errors (default: their positions)."""
-    on_error = self.cfg.reward.on_error
+    cfg = self.cfg.reward
     return rewards.compute_rewards(
-      self.reward_fn, texts, records, on_error=on_error, sample_ids=sample_ids
+      self.reward_fn,
+      texts,
+      records,
+      on_error=cfg.on_error,
+      sample_ids=sample_ids,
+      max_abs=cfg.max_abs,
     )
 
   # ---------------------------------------------------------------------------- placement, seeds

@@ -11,6 +11,7 @@ from typing import Any
 
 import jax
 
+from jaxrl.guard import NonFiniteGuard
 from jaxrl.metrics import MetricsWriter, Progress
 from jaxrl.rl import batch as batch_lib
 from jaxrl.rl.objectives import SFTLoss
@@ -45,6 +46,11 @@ class SFTPhase:
       trainable=self.trainable,
     )
     self.ckpt = run.checkpointer("sft")
+    self.guard = NonFiniteGuard(
+      run.cfg.guard.max_nonfinite_updates,
+      "SFT",
+      hint="Lower sft.learning_rate (or raise sft.warmup_steps), or check the demonstrations.",
+    )
     # The warm-start has the task's own data mix; RL prompts and the held-out set follow `task`.
     self.task = run.task.sft_task(cfg)
 
@@ -62,33 +68,43 @@ class SFTPhase:
     """Run or resume the warm-start; `until` stops (and checkpoints) after that many steps
     without finishing the phase, as a preemption would. Updates `summary` in place."""
     run, cfg = self.run, self.run.cfg.sft
-    latest = self.ckpt.latest_step() if run.cfg.resume else None
-    if latest is None:
-      summary["accuracy_init"] = self.evaluate(run.init_params)["eval/accuracy"]
     state = init_state(run.init_params, self.optimizer, trainable=self.trainable)
+    found = None
+    if run.cfg.resume:  # the newest readable checkpoint (unreadable newer ones moved aside)
+      found = self.ckpt.restore_newest_readable({"train": abstract(state)}, log=self.log)
+    latest = None if found is None else found[0]
+    if latest is None:
+      self.metrics.truncate_after("sft", 0)  # rows of a try killed before its first checkpoint
+      summary["accuracy_init"] = self.evaluate(run.init_params)["eval/accuracy"]
     it = iter(self.task.train_dataset(seed=run.cfg.seed + 1, batch_size=cfg.batch_size))
     start = 0
-    if latest is not None:
-      restored, meta = self.ckpt.restore(latest, {"train": abstract(state)})
+    if found is not None:
+      latest, restored, meta = found
       state, start = restored["train"], latest
       summary.update(meta.get("summary", {}))
       if latest >= cfg.steps:
         self.log(f"[jaxrl] SFT warm-start restored from {self.ckpt.directory}/{latest}")
         return state.params
       it.set_state(meta["data"])
+      self.guard.resume(summary.get("sft_nonfinite_updates", 0))
       self.metrics.truncate_after("sft", start + 1)
       self.log(f"[jaxrl] resumed SFT from step {start} in {self.ckpt.directory}")
     stop = cfg.steps if until is None else min(until, cfg.steps)
     progress = Progress(total=cfg.steps, desc="sft", enabled=run.cfg.log.progress, initial=start)
     for step in range(start + 1, stop + 1):
       state, m = self.step_fn(state, run.shard(self.batch(next(it))))
+      self.guard.update(m["opt/nonfinite"])
+      saving = step < cfg.steps and (step % self.ckpt.save_every == 0 or step == stop)
+      if step % 10 == 0 or step == cfg.steps or saving:
+        # Counted on the device; fetched where metrics or a checkpoint sync anyway.
+        summary["sft_nonfinite_updates"] = self.guard.check(step)
       if step % 10 == 0 or step == cfg.steps:
         m = {k: float(v) for k, v in jax.device_get(m).items()}
         self.metrics.write(step, {**m, "global_step": step}, phase="sft")
         progress.update(1, loss=m["sft/loss"])
       else:
         progress.update(1)
-      if step < cfg.steps:
+      if saving:
         meta = {"data": it.get_state(), "phase": "sft", "summary": dict(summary)}
         self.ckpt.save(step, {"train": state}, meta, force=step == stop)
     progress.close()

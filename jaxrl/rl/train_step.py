@@ -11,6 +11,11 @@ so dropping rows whose loss terms are all zero leaves the update as it was.
 
 `trainable` (an nnx filter, or "lora" for the adapters) limits training to part of the params:
 the gradient, the optimizer state and the update cover only those; the rest pass through as is.
+
+Non-finite guard: an update whose loss terms, gradient or optimizer update hold a NaN or an inf
+is skipped inside the compiled step: params, optimizer state and the update count come back as
+they went in, and the metric `opt/nonfinite` is 1 (else 0). `jaxrl.guard.NonFiniteGuard` counts
+those and stops a run after too many in a row.
 """
 
 from __future__ import annotations
@@ -47,12 +52,11 @@ def make_optimizer(
   # warmup_steps=0 means no warmup: full rate from the first update (not a wasted step at 0).
   start = 0.0 if warmup_steps > 0 else learning_rate
   if schedule == "cosine":
+    # optax needs at least one decay step after the warmup: a phase of 0 or 1 updates (or all
+    # warmup) decays over one step it never takes, instead of failing to build.
+    warm = max(warmup_steps, 1)
     lr = optax.warmup_cosine_decay_schedule(
-      start,
-      learning_rate,
-      max(warmup_steps, 1),
-      max(total_steps, warmup_steps + 1),
-      0.1 * learning_rate,
+      start, learning_rate, warm, max(total_steps, warm + 1), 0.1 * learning_rate
     )
   elif schedule == "constant":
     lr = optax.join_schedules(
@@ -147,8 +151,19 @@ def _split_micro(batch, k: int):
   return jax.tree.map(split, batch)
 
 
+def _all_finite(tree) -> jax.Array:
+  leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]
+  return jnp.all(jnp.stack(leaves)) if leaves else jnp.asarray(True)
+
+
 def make_train_step(
-  optimizer, loss, *, num_microbatches: int = 1, donate: bool = True, trainable=None
+  optimizer,
+  loss,
+  *,
+  num_microbatches: int = 1,
+  donate: bool = True,
+  trainable=None,
+  skip_nonfinite: bool = True,
 ):
   """Build the jitted train step for `loss` (see module docstring).
 
@@ -186,19 +201,31 @@ def make_train_step(
       (g, aux), _ = jax.lax.scan(body, init, micro_batches)
     grads = jax.tree.map(lambda x: x.astype(jnp.float32) / denom, g)
     updates, opt_state = optimizer.update(grads, state.opt_state, trained)
-    trained = optax.apply_updates(trained, updates)
+    new_trained = optax.apply_updates(trained, updates)
+    # The gradient's and the update's norms are finite iff every element is (or they overflow:
+    # a gradient too large to square in float32 is skipped as well).
+    grad_norm, update_norm = optax.tree.norm(grads), optax.tree.norm(updates)
+    finite = _all_finite(aux) & jnp.isfinite(grad_norm) & jnp.isfinite(update_norm)
+    if skip_nonfinite:
+      keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)
+      trained = keep(new_trained, trained)
+      opt_state = keep(opt_state, state.opt_state)
+      count = state.step + finite.astype(state.step.dtype)
+    else:
+      trained, count = new_trained, state.step + 1
     metrics = {k: s / jnp.maximum(c, 1e-9) for k, (s, c) in aux.items()}
     metrics.update(
       {
-        "opt/grad_norm": optax.tree.norm(grads),
+        "opt/grad_norm": grad_norm,
         "opt/param_norm": optax.tree.norm(trained),
-        "opt/update_norm": optax.tree.norm(updates),
+        "opt/update_norm": update_norm,
+        "opt/nonfinite": 1.0 - finite.astype(jnp.float32),
         "opt/lr": jnp.asarray(optimizer.lr_fn(state.step), jnp.float32),
         "opt/loss_tokens": denom,
       }
     )
     metrics = {k: jnp.asarray(v, jnp.float32) for k, v in metrics.items()}
-    new = TrainState(params=full(trained), opt_state=opt_state, step=state.step + 1)
+    new = TrainState(params=full(trained), opt_state=opt_state, step=count)
     return new, metrics
 
   return _PinnedStep(step_fn, donate)

@@ -269,6 +269,12 @@ def test_lr_schedules(schedule):
   # No warmup means the full rate at the first update.
   lr0 = make_optimizer(learning_rate=0.1, warmup_steps=0, total_steps=12, schedule=schedule).lr_fn
   assert float(lr0(0)) == pytest.approx(0.1, rel=1e-6)
+  # Phases too short for a decay (sft.steps=0 in grpo_gsm8k, rl.steps=1) still build.
+  for warmup, total in [(0, 0), (0, 1), (3, 0), (3, 3)]:
+    fn = make_optimizer(
+      learning_rate=0.1, warmup_steps=warmup, total_steps=total, schedule=schedule
+    ).lr_fn
+    assert float(fn(0)) == pytest.approx(0.0 if warmup else 0.1, rel=1e-6)
   with pytest.raises(ValueError, match=r"unknown lr schedule 'linear'.*'constant', 'cosine'"):
     make_optimizer(learning_rate=0.1, warmup_steps=0, total_steps=1, schedule="linear")
 
@@ -348,3 +354,41 @@ def test_trainable_lora_without_adapters_raises(model):
   _, params = model
   with pytest.raises(ValueError, match=r"trainable='lora' selects no params.*lora_rank > 0"):
     init_state(params, SGD, trainable="lora")
+
+
+@pytest.mark.parametrize(
+  "poison",
+  [
+    "nan_advantage",  # the loss is NaN
+    "neg_inf_old_logprob",  # the ratio is inf: a loss that may look finite, a NaN gradient
+  ],
+)
+def test_nonfinite_update_is_skipped_and_the_next_one_applies(model, loss, poison):
+  # Adam, so that the optimizer state (moments, count) is something a NaN could poison too.
+  graphdef, params = model
+  opt = make_optimizer(learning_rate=1e-2, warmup_steps=0, total_steps=8)
+  step = make_train_step(opt, loss)
+  state = init_state(jax.tree.map(jnp.copy, params), opt)
+  good = make_batch(graphdef, params, seed=7)
+  state, m = step(state, good)
+  assert float(m["opt/nonfinite"]) == 0.0 and int(state.step) == 1
+  before = jax.device_get(state)
+  if poison == "nan_advantage":
+    bad = good._replace(advantages=good.advantages.at[2, P].set(jnp.nan))
+  else:
+    row = int(np.argmax(np.asarray(good.loss_mask).sum(1)))
+    bad = good._replace(old_logprobs=good.old_logprobs.at[row, P].set(-jnp.inf))
+  state, m = step(state, bad)
+  assert float(m["opt/nonfinite"]) == 1.0
+  # Skipped: params, optimizer state and the update count are bit for bit what they were.
+  for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(jax.device_get(state)), strict=True):
+    np.testing.assert_array_equal(a, b)
+  state, m = step(state, good)
+  assert float(m["opt/nonfinite"]) == 0.0 and int(state.step) == 2
+  assert tree_max_abs(tree_diff(state.params, before.params)) > 1e-4
+  assert all(np.all(np.isfinite(x)) for x in jax.tree.leaves(jax.device_get(state)))
+  assert step._cache_size() == 1
+  # Without the guard the same batch poisons the params: the guard is what kept them.
+  unguarded = make_train_step(opt, loss, skip_nonfinite=False)
+  state, m = unguarded(init_state(jax.tree.map(jnp.copy, params), opt), bad)
+  assert not all(np.all(np.isfinite(x)) for x in jax.tree.leaves(jax.device_get(state.params)))
