@@ -175,6 +175,13 @@ class RewardConfig:
     help="the largest |reward| accepted; beyond it a reward is an error (per on_error) before "
     "float32 advantages can overflow",
   )
+  timeout_s: float = _field(
+    0.0,
+    lo=0.0,
+    help="0: score in the training process; > 0: in reward.workers worker processes, each "
+    "sample stopped after this many seconds (a timeout is an error, per on_error)",
+  )
+  workers: int = _field(2, lo=1, help="reward.timeout_s > 0: the worker processes")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -36,6 +36,7 @@ def main(argv):
   # Imported here so that --help and flag errors do not pay for importing jax.
   from jaxrl.config import ConfigError, validate
   from jaxrl.guard import NonFiniteError
+  from jaxrl.preemption import Preempted
   from jaxrl.rl.loop import Trainer
 
   try:
@@ -46,6 +47,9 @@ def main(argv):
     trainer.run()
   except NonFiniteError as e:
     sys.exit(f"error: {e}")  # after `finally` has finished the in-flight checkpoint writes
+  except Preempted as e:
+    print(f"[jaxrl] {e}", file=sys.stderr)
+    sys.exit(143)  # 128 + SIGTERM: not finished; the same command resumes
   finally:
     trainer.close()
 

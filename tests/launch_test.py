@@ -1,5 +1,6 @@
 """The CLI: config flags override fields; unknown, mistyped or out-of-range ones fail clearly."""
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -28,6 +29,10 @@ def _train(*flags):
     ("--config.sft.batch_size=0", "config.sft.batch_size=0 is out of range"),
     ("--config.rl.max_prompt_len=60", "max_seq_len"),
     ("--config.reward.on_error=ignore", "config.reward.on_error='ignore' is invalid"),
+    (
+      "--config.task.prompt_template={question}",
+      "config.task.prompt_template='{question}' does not fit a record with fields",
+    ),
   ],
 )
 def test_bad_flags_fail_with_a_message_naming_the_field(flag, message, tmp_path):
@@ -116,3 +121,32 @@ def test_a_diverging_run_exits_nonzero_with_the_guard_message(tmp_path):
   assert "error: SFT stopped at step" in out.stderr, out.stderr[-2000:]
   assert "Lower sft.learning_rate" in out.stderr
   assert "Traceback" not in out.stderr  # one clear message, no stack or clean-up noise
+
+
+def test_sigterm_exits_143_after_checkpointing(tmp_path):
+  import signal
+  import time
+
+  proc = subprocess.Popen(
+    [
+      sys.executable,
+      "-m",
+      "launch.train",
+      "--config=configs/grpo_arith.py:smoke",
+      f"--config.workdir={tmp_path}",
+      "--config.log.progress=false",
+    ],
+    cwd=ROOT,
+    stderr=subprocess.PIPE,
+    text=True,
+  )
+  deadline = time.monotonic() + 240
+  while not list(tmp_path.glob("checkpoints/sft/[0-9]*")) and time.monotonic() < deadline:
+    time.sleep(0.2)  # the warm-start is under way once its first checkpoint is committed
+  proc.send_signal(signal.SIGTERM)
+  _, err = proc.communicate(timeout=240)
+  assert proc.returncode == 143, err[-2000:]
+  m = re.search(r"stopped on SIGTERM after (SFT|RL) step (\d+), checkpointed in (\S+);", err)
+  assert m, err[-2000:]
+  assert (Path(m.group(3).rstrip(",")) / m.group(2)).is_dir()
+  assert "Traceback" not in err

@@ -175,13 +175,26 @@ def weight_plan(
   return plan
 
 
+class CheckpointFileError(ValueError):
+  """A safetensors file of an HF checkpoint cannot be read (truncated, corrupt, not one)."""
+
+
+def _safe_open(file):
+  try:
+    return safe_open(file, framework="numpy")
+  except Exception as e:
+    raise CheckpointFileError(
+      f"cannot read safetensors file {file}: {e} (truncated or not a safetensors file?)"
+    ) from e
+
+
 def _checkpoint_files(path: Path) -> dict[str, str]:
   """HF tensor name -> the safetensors file that holds it."""
   if (path / _INDEX).exists():
     weight_map = json.loads((path / _INDEX).read_text())["weight_map"]
     return {name: str(path / file) for name, file in weight_map.items()}
   if (path / _SINGLE).exists():
-    with safe_open(path / _SINGLE, framework="numpy") as f:
+    with _safe_open(path / _SINGLE) as f:
       return {name: str(path / _SINGLE) for name in f.keys()}
   raise FileNotFoundError(f"{path} holds neither {_SINGLE} nor {_INDEX}")
 
@@ -260,13 +273,16 @@ def load_hf_checkpoint(
   for name in plan:
     by_file.setdefault(files[name], []).append(name)
   for file, names in by_file.items():
-    with safe_open(file, framework="numpy") as f:
+    with _safe_open(file) as f:
       for name in names:
         target, kind, expert = plan[name]
         var = targets[target]
         shape = tuple(var.get_value().shape)
         slot = shape if expert is None else shape[1:]
-        w = f.get_tensor(name)
+        try:
+          w = f.get_tensor(name)
+        except Exception as e:
+          raise CheckpointFileError(f"cannot read tensor {name} from {file}: {e}") from e
         if w.shape != _hf_shape(kind, slot):
           where = "" if expert is None else f" (expert {expert})"
           raise ValueError(

@@ -20,6 +20,13 @@ class RewardError(RuntimeError):
   """A reward function raised or returned something other than a finite number."""
 
 
+class _WorkerError(Exception):
+  """What a reward worker reported (the exception's type and message, or a timeout)."""
+
+  def __str__(self) -> str:
+    return self.args[0]
+
+
 def register(name: str) -> Callable[[RewardFn], RewardFn]:
   """Decorator that registers a reward function under `name` (in jaxrl.registry.REWARDS)."""
   return REWARDS.register(name)
@@ -41,7 +48,10 @@ _FLOAT32_MAX = float(np.finfo(np.float32).max)
 def _checked_reward(
   fn: RewardFn, completion: str, record: dict[str, Any], max_abs: float | None
 ) -> float:
-  value = fn(completion, record)
+  return _checked_value(fn(completion, record), max_abs)
+
+
+def _checked_value(value: Any, max_abs: float | None) -> float:
   # numbers.Real covers int/float/bool and numpy scalars; arrays and None are rejected.
   if not isinstance(value, numbers.Real):
     raise TypeError(f"reward must be a real number, got {type(value).__name__}: {value!r}")
@@ -62,6 +72,7 @@ def compute_rewards(
   on_error: str,
   sample_ids: Sequence[int] | None = None,
   max_abs: float | None = None,
+  pool=None,
 ) -> tuple[np.ndarray, int]:
   """Applies `fn` to each (completion, record) pair.
 
@@ -78,6 +89,8 @@ def compute_rewards(
     max_abs: the largest |reward| accepted (None: the largest float32, as rewards are stored
       in float32: 1e39 would become inf); config.reward.max_abs keeps it far lower so that
       advantages and losses cannot overflow downstream.
+    pool: a `jaxrl.rewards.pool.RewardPool` to score in (worker processes, each sample under
+      a time limit; a timeout is an error like any other); None scores here, in this thread.
 
   Returns:
     `(rewards, num_failures)`: float32 rewards of shape [len(completions)] and the number of
@@ -91,17 +104,24 @@ def compute_rewards(
     )
   rewards = np.zeros(len(completions), np.float32)
   failures = 0
+  scored = None if pool is None else pool.score(completions, records)
   for i, (completion, record) in enumerate(zip(completions, records, strict=True)):
     try:
-      rewards[i] = _checked_reward(fn, completion, record, max_abs)
+      if scored is None:
+        rewards[i] = _checked_reward(fn, completion, record, max_abs)
+      elif scored[i][0] == "ok":
+        rewards[i] = _checked_value(scored[i][1], max_abs)
+      else:
+        raise _WorkerError(scored[i][1])
     except Exception as e:
       if on_error == "raise":
         prompt = record.get("prompt") if isinstance(record, dict) else None
         fn_name = getattr(fn, "__name__", repr(fn))
         sample = i if sample_ids is None else sample_ids[i]
+        detail = str(e) if isinstance(e, _WorkerError) else f"{type(e).__name__}: {e}"
         raise RewardError(
           f"reward {fn_name} failed on sample {sample} (prompt {prompt!r}, completion "
-          f"{completion!r}): {type(e).__name__}: {e}"
+          f"{completion!r}): {detail}"
         ) from e
       failures += 1
   return rewards, failures

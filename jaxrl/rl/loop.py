@@ -38,6 +38,7 @@ from jaxrl.config import Config, ConfigError
 from jaxrl.mesh import use_mesh
 from jaxrl.metrics import MetricsWriter, Progress, plot_curves
 from jaxrl.models.lora import split_lora
+from jaxrl.preemption import Preempted, StopRequest
 from jaxrl.rl import components
 from jaxrl.rl.evaluation import Evaluator
 from jaxrl.rl.experience import Experience, build_sampler
@@ -103,6 +104,7 @@ class Trainer:
     self.sft_params = None
     self.ref_params = None  # the frozen reference: params (full fine-tuning) or adapters (LoRA)
     self.summary: dict = {}
+    self.stop_request = StopRequest()  # installed as the SIGTERM handler by `run`
 
   def ref_params_now(self) -> nnx.State:
     """The KL reference the rollout stage reads: the warm-started policy. With LoRA, the
@@ -115,7 +117,7 @@ class Trainer:
   def run_sft(self, until: int | None = None) -> None:
     """Run (or resume) the warm-start; `until` stops it early, as a preemption would."""
     with use_mesh(self.ctx.mesh, self.ctx.rules):  # the model's activation constraints
-      self.sft_params = self.sft.run_phase(self.summary, until)
+      self.sft_params = self.sft.run_phase(self.summary, until, self.stop_request)
 
   def run_rl(self, until: int | None = None) -> None:
     """Run (or resume) the RL phase from the warm-started params; `until` stops it early."""
@@ -177,6 +179,10 @@ class Trainer:
           shown["acc"] = m["eval/accuracy"]
         progress.update(1, **shown)
         self._save_rl(done, it, force=done == stop)
+        if self.stop_request.requested and done < rl.steps:  # SIGTERM: save here and stop
+          self._save_rl(done, it, force=True)
+          self.rl_ckpt.wait()
+          raise Preempted("RL", done, self.rl_ckpt.directory)
     finally:
       self.pipeline.close()
     progress.close()
@@ -248,8 +254,11 @@ class Trainer:
     """Run (or resume) SFT then RL; `until` stops RL after that many steps (preemption, tests)."""
     t0 = time.perf_counter()
     self.workdir.mkdir(parents=True, exist_ok=True)
-    self.run_sft()
-    self.run_rl(until)
+    with StopRequest() as self.stop_request:  # SIGTERM: checkpoint after this step and stop
+      self.run_sft()
+      if self.stop_request.requested:  # between the phases: the warm-start is saved whole
+        raise Preempted("SFT", self.cfg.sft.steps, self.sft.ckpt.directory)
+      self.run_rl(until)
     self.rl_ckpt.wait()
     self.metrics.flush()
     if "accuracy_after_rl" in self.summary:
@@ -274,6 +283,8 @@ class Trainer:
 
   def close(self) -> None:
     self.pipeline.close()
+    if self.ctx.reward_pool is not None:
+      self.ctx.reward_pool.close()
     self.sft.ckpt.close()
     self.rl_ckpt.close()
     self.metrics.close()

@@ -24,6 +24,7 @@ from jaxrl.config import Config, ConfigError
 from jaxrl.data.stream import draw_pool, pooled_batches
 from jaxrl.mesh import Rules, get_rules, make_mesh, named_sharding, split_devices
 from jaxrl.models.config import ModelConfig
+from jaxrl.rewards.pool import RewardPool
 from jaxrl.rl import components
 from jaxrl.rollout.collect import left_pad
 
@@ -51,6 +52,8 @@ class Run:
   sampler_mesh: jax.sharding.Mesh | None = None
   # rl.prompt_pool > 0: the fixed pool the RL phase draws its prompts from; else None.
   prompt_pool: list[dict] | None = None
+  # reward.timeout_s > 0: the worker processes rewards are scored in; else None.
+  reward_pool: RewardPool | None = None
 
   @classmethod
   def build(cls, cfg: Config) -> Run:
@@ -65,6 +68,29 @@ class Run:
       cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor, expert=cfg.mesh.expert, devices=devices
     )
     rules = get_rules(cfg.mesh.rules)
+    check_batches_divide(cfg, mesh, rules)
+    # The task, its prompt template and the reward before the model: their errors come first.
+    workdir = Path(cfg.workdir)
+    task = components.build_task(cfg.task, workdir, seed=cfg.seed)
+    held_out = task.held_out(cfg.eval.num_examples, seed=cfg.seed)
+    encode_prompt = components.PromptEncoder(cfg.task, tok)
+    if held_out:  # task.prompt_template fits the task's records: checked here, not mid-run
+      encode_prompt.text(held_out[0])
+    pool = None
+    if cfg.rl.prompt_pool:
+      try:
+        pool = draw_pool(task, cfg.rl.prompt_pool, seed=cfg.seed)
+      except ValueError as e:
+        raise ConfigError(f"config.rl.prompt_pool={cfg.rl.prompt_pool}: {e}") from e
+    reward_fn = rewards.get(cfg.reward.name)
+    reward_pool = None
+    if cfg.reward.timeout_s > 0:
+      try:
+        reward_pool = RewardPool(
+          reward_fn, workers=cfg.reward.workers, timeout_s=cfg.reward.timeout_s
+        )
+      except ValueError as e:
+        raise ConfigError(f"config.reward.timeout_s={cfg.reward.timeout_s}: {e}") from e
     model_cfg, graphdef, params = components.build_model(cfg.model, tok, mesh, rules, seed=cfg.seed)
     rl = cfg.rl
     if rl.max_prompt_len + rl.max_new_tokens > model_cfg.max_seq_len:
@@ -99,27 +125,20 @@ class Run:
           f"config.rl.rollout.routes={rl.rollout.routes!r} is invalid; allowed: 'none' for a "
           "dense model (this model has no MoE layers to route)"
         )
-    workdir = Path(cfg.workdir)
-    task = components.build_task(cfg.task, workdir, seed=cfg.seed)
-    pool = None
-    if rl.prompt_pool:
-      try:
-        pool = draw_pool(task, rl.prompt_pool, seed=cfg.seed)
-      except ValueError as e:
-        raise ConfigError(f"config.rl.prompt_pool={rl.prompt_pool}: {e}") from e
     return cls(
       cfg=cfg,
       workdir=workdir,
       tokenizer=tok,
-      encode_prompt=components.PromptEncoder(cfg.task, tok),
+      encode_prompt=encode_prompt,
       mesh=mesh,
       rules=rules,
       model_cfg=model_cfg,
       graphdef=graphdef,
       init_params=params,
       task=task,
-      reward_fn=rewards.get(cfg.reward.name),
-      held_out=task.held_out(cfg.eval.num_examples, seed=cfg.seed),
+      reward_fn=reward_fn,
+      reward_pool=reward_pool,
+      held_out=held_out,
       batch_sharding=named_sharding(mesh, ("batch",), rules),
       sampler_mesh=sampler_mesh,
       prompt_pool=pool,
@@ -167,6 +186,7 @@ class Run:
       on_error=cfg.on_error,
       sample_ids=sample_ids,
       max_abs=cfg.max_abs,
+      pool=self.reward_pool,
     )
 
   # ---------------------------------------------------------------------------- placement, seeds
@@ -184,6 +204,28 @@ class Run:
     return Checkpointer(
       self.workdir / "checkpoints" / phase, max_to_keep=ck.max_to_keep, save_every=ck.every
     )
+
+
+def check_batches_divide(cfg: Config, mesh: jax.sharding.Mesh, rules: Rules) -> None:
+  """The rows of every training batch are split over the mesh's batch axes, so they must divide
+  evenly: checked before anything is built, naming the field (JAX's IndivisibleError names
+  none, and in RL came only after the whole warm-start)."""
+  n = mesh.devices.size
+  dp = n // named_sharding(mesh, ("batch",), rules).shard_shape((n,))[0]
+  if dp == 1:
+    return
+  shape = ", ".join(f"{a}={mesh.shape[a]}" for a in mesh.axis_names)
+  rl = cfg.rl
+  rows = [("rl.prompts_per_step * rl.group_size / rl.num_minibatches",
+           rl.prompts_per_step * rl.group_size // rl.num_minibatches)]  # fmt: skip
+  if cfg.sft.steps:
+    rows.insert(0, ("sft.batch_size", cfg.sft.batch_size))
+  for name, count in rows:
+    if count % dp:
+      raise ConfigError(
+        f"config.{name} = {count} rows is invalid; allowed: a multiple of {dp}, the devices "
+        f"each batch is split over (mesh {shape}, rules {cfg.mesh.rules!r})"
+      )
 
 
 def abstract(tree) -> Any:

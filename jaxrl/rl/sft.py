@@ -13,6 +13,7 @@ import jax
 
 from jaxrl.guard import NonFiniteGuard
 from jaxrl.metrics import MetricsWriter, Progress
+from jaxrl.preemption import Preempted
 from jaxrl.rl import batch as batch_lib
 from jaxrl.rl.objectives import SFTLoss
 from jaxrl.rl.run import Run, abstract
@@ -64,9 +65,10 @@ class SFTPhase:
       toks, mask, comps, max_new_tokens=run.cfg.rl.max_new_tokens, pad_id=run.tokenizer.pad_id
     )
 
-  def run_phase(self, summary: dict, until: int | None = None) -> Any:
+  def run_phase(self, summary: dict, until: int | None = None, stop_request=None) -> Any:
     """Run or resume the warm-start; `until` stops (and checkpoints) after that many steps
-    without finishing the phase, as a preemption would. Updates `summary` in place."""
+    without finishing the phase, as a preemption would; so does SIGTERM (`stop_request`, a
+    `jaxrl.preemption.StopRequest`), raising `Preempted`. Updates `summary` in place."""
     run, cfg = self.run, self.run.cfg.sft
     state = init_state(run.init_params, self.optimizer, trainable=self.trainable)
     found = None
@@ -94,7 +96,9 @@ class SFTPhase:
     for step in range(start + 1, stop + 1):
       state, m = self.step_fn(state, run.shard(self.batch(next(it))))
       self.guard.update(m["opt/nonfinite"])
+      preempted = stop_request is not None and stop_request.requested and step < cfg.steps
       saving = step < cfg.steps and (step % self.ckpt.save_every == 0 or step == stop)
+      saving = saving or preempted
       if step % 10 == 0 or step == cfg.steps or saving:
         # Counted on the device; fetched where metrics or a checkpoint sync anyway.
         summary["sft_nonfinite_updates"] = self.guard.check(step)
@@ -106,7 +110,11 @@ class SFTPhase:
         progress.update(1)
       if saving:
         meta = {"data": it.get_state(), "phase": "sft", "summary": dict(summary)}
-        self.ckpt.save(step, {"train": state}, meta, force=step == stop)
+        self.ckpt.save(step, {"train": state}, meta, force=step == stop or preempted)
+      if preempted:
+        progress.close()
+        self.ckpt.wait()
+        raise Preempted("SFT", step, self.ckpt.directory)
     progress.close()
     if stop < cfg.steps:
       self.ckpt.wait()

@@ -232,6 +232,17 @@ def test_bad_checkpoint_names_tensor(edit, match, tmp_path):
     hf.load_hf_checkpoint(tmp_path)
 
 
+@pytest.mark.parametrize("cut", ["header", "data"])
+def test_truncated_safetensors_names_the_file(cut, tmp_path):
+  # A copy cut short (a full disk, an interrupted download): the error names the file.
+  _hf_model("llama_mha_tied").save_pretrained(tmp_path)
+  f = tmp_path / "model.safetensors"
+  data = f.read_bytes()
+  f.write_bytes(data[:40] if cut == "header" else data[: len(data) // 2])
+  with pytest.raises(hf.CheckpointFileError, match=f"cannot read .*{f}"):
+    hf.load_hf_checkpoint(tmp_path)
+
+
 # ---------------------------------------------------------------------------------------- gemma 3
 
 # (tie_word_embeddings, extra Gemma3TextConfig kwargs, jaxrl options whose removal must change
