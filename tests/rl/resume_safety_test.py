@@ -19,13 +19,26 @@ from jaxrl.preemption import Preempted
 from jaxrl.rl.loop import Trainer
 
 
-@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
-def test_unreadable_latest_checkpoint_falls_back_and_repeats_the_run(tmp_path):
-  full = Trainer(_config(tmp_path / "full"), log=lambda *_: None)
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+  """(RL metric rows, final params) of the run every interrupted one must repeat."""
+  workdir = tmp_path_factory.mktemp("full")
+  full = Trainer(_config(workdir), log=lambda *_: None)
   full.run()
-  full_params = jax.device_get(full.state.policy.params)
+  params = jax.device_get(full.state.policy.params)
   full.close()
+  return rl_metric_lines(workdir), params
 
+
+def _assert_repeats(uninterrupted, workdir, params):
+  lines, full_params = uninterrupted
+  assert rl_metric_lines(workdir) == lines
+  for a, b in zip(jax.tree.leaves(full_params), jax.tree.leaves(params), strict=True):
+    np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+def test_unreadable_latest_checkpoint_falls_back_and_repeats_the_run(tmp_path, uninterrupted):
   part = Trainer(_config(tmp_path / "part"), log=lambda *_: None)
   part.run(until=3)  # checkpoint.every=2: RL checkpoints at 2 and 3 (forced)
   part.close()
@@ -44,9 +57,7 @@ def test_unreadable_latest_checkpoint_falls_back_and_repeats_the_run(tmp_path):
   assert any("resumed RL from step 2" in line for line in logged)
   assert (ckpts / "rl.unreadable" / "3").is_dir()
   # Steps 3 and 4 trained again from step 2's state: the same run, every metric row once.
-  assert rl_metric_lines(tmp_path / "part") == rl_metric_lines(tmp_path / "full")
-  for a, b in zip(jax.tree.leaves(full_params), jax.tree.leaves(resumed_params), strict=True):
-    np.testing.assert_array_equal(a, b)
+  _assert_repeats(uninterrupted, tmp_path / "part", resumed_params)
   time.sleep(0.5)  # stray tensorstore completions of the failed read land here
 
 
@@ -80,12 +91,7 @@ def test_a_batch_that_does_not_split_over_the_mesh_is_a_config_error(
   assert not (tmp_path / "checkpoints").exists()
 
 
-def test_sigterm_checkpoints_the_step_in_flight_and_the_run_resumes(tmp_path):
-  full = Trainer(_config(tmp_path / "full"), log=lambda *_: None)
-  full.run()
-  full_params = jax.device_get(full.state.policy.params)
-  full.close()
-
+def test_sigterm_checkpoints_the_step_in_flight_and_the_run_resumes(tmp_path, uninterrupted):
   # SIGTERM during SFT step 3 (checkpoint.every=2: not a save step of its own).
   first = Trainer(_config(tmp_path / "part"), log=lambda *_: None)
   step_fn, calls = first.sft.step_fn, []
@@ -126,6 +132,4 @@ def test_sigterm_checkpoints_the_step_in_flight_and_the_run_resumes(tmp_path):
   params = jax.device_get(third.state.policy.params)
   third.close()
   assert any("resumed RL from step 1" in line for line in logged)
-  assert rl_metric_lines(tmp_path / "part") == rl_metric_lines(tmp_path / "full")
-  for a, b in zip(jax.tree.leaves(full_params), jax.tree.leaves(params), strict=True):
-    np.testing.assert_array_equal(a, b)
+  _assert_repeats(uninterrupted, tmp_path / "part", params)

@@ -1,0 +1,38 @@
+"""launch.fault_inject: SIGKILLs at random moments and inside checkpoint writes, restarts, and
+a run that ends bit-identical to an uninterrupted one, every metric row once."""
+
+import json
+import shutil
+
+from launch import fault_inject
+
+SMALL = [
+  "model.preset=tiny",
+  "sft.steps=10",
+  "rl.steps=4",
+  "eval.every=2",
+  "eval.num_examples=16",
+  "checkpoint.every=2",
+]
+
+
+def test_three_kills_end_identical_to_the_uninterrupted_run(tmp_path):
+  args = ["--config=configs/grpo_arith.py:smoke", "--kills=3", f"--out={tmp_path}", "--seed=1"]
+  assert fault_inject.main(args + [x for o in SMALL for x in ("--set", o)]) == 0
+  report = json.loads((tmp_path / "report.json").read_text())
+  assert report["identical"] and not report["problems"]
+  assert 1 <= report["kills_landed"] <= len(report["kills"]) <= 3  # at least one really killed
+
+  # The comparison can fail: a metric row written twice, or a changed value, is reported.
+  bad = tmp_path / "bad"
+  shutil.copytree(tmp_path / "killed", bad)
+  lines = (bad / "metrics.jsonl").read_text().splitlines()
+  (bad / "metrics.jsonl").write_text("\n".join([*lines, lines[-1]]) + "\n")
+  problems = fault_inject.compare(tmp_path / "full", bad)
+  assert any("written twice" in p for p in problems)
+  row = json.loads(lines[-1])
+  row["rl/reward_mean"] = row.get("rl/reward_mean", 0.0) + 1.0
+  (bad / "metrics.jsonl").write_text("\n".join([*lines[:-1], json.dumps(row)]) + "\n")
+  n = len(lines)
+  expect = [f"metric rows differ ({n} rows vs {n} uninterrupted)"]
+  assert fault_inject.compare(tmp_path / "full", bad) == expect
