@@ -4,12 +4,12 @@ row once with the same values.
 
   python -m launch.fault_inject --config=configs/grpo_arith.py:smoke --kills=20 --out=/tmp/fi
 
-Each try is killed at a random moment: most of the start-up (timed on the uninterrupted run,
-until its first checkpoint) plus a random share of the rest, sized so that the tries together
-cover the run about twice; every other try instead waits from that moment for a checkpoint write
-to start (an orbax temporary directory appears) and is killed inside it. A try that finishes
-before its kill ends the series (the report counts the kills that landed). Writes
-OUT/report.json; exits 1 if the runs differ.
+Each try is killed at a random moment: a random part of the start-up (timed on the
+uninterrupted run, until its first checkpoint) plus a random share of the rest, sized so that
+the tries together cover the run about twice; every other try instead waits from that moment
+for a checkpoint write to start (an orbax temporary directory appears) and is killed inside it.
+A try that finishes before its kill ends the series (the report counts the kills that landed).
+Writes OUT/report.json; exits 1 if the runs differ.
 """
 
 from __future__ import annotations
@@ -160,14 +160,15 @@ def main(argv=None) -> int:
     print(f"the uninterrupted run failed (exit {rc}); see {out / 'full.log'}", file=sys.stderr)
     return 2
   print(f"[fault_inject] uninterrupted run: {wall:.1f}s, {ready:.1f}s to its first checkpoint")
-  # Each try gets most of the start-up plus a random share of the rest of the run, so that
-  # --kills tries together cover it about twice over: kills land all along the run.
+  # Each try gets a random part of the start-up (a restart restores instead of evaluating the
+  # initial policy: it starts up faster) plus a random share of the rest of the run, so that
+  # --kills tries together cover it about twice: kills land in start-up, restore and training.
   span = 2 * max(wall - ready, 1.0) / max(args.kills, 1)
   kills = []
   cmd = _command(args.config, out / "killed", args.set)
   with open(out / "killed.log", "w") as log:
     for i in range(args.kills):
-      delay = rng.uniform(0.5, 1.0) * ready + rng.uniform(0.0, span)
+      delay = rng.uniform(0.3, 1.0) * ready + rng.uniform(0.0, span)
       kill = _run_and_kill(cmd, out / "killed", log, delay, in_write=i % 2 == 1, limit=delay + wall)
       kills.append(kill)
       print(f"[fault_inject] kill {i + 1}/{args.kills}: {kill}", flush=True)
