@@ -37,6 +37,11 @@ def _alarm(signum, frame):
   raise _Timeout
 
 
+def _warm(fn) -> None:
+  """Unpickling `fn` imported its module here; the pause spreads these over the workers."""
+  time.sleep(0.05)
+
+
 def _score(fn, completion: str, record: dict, timeout_s: float) -> tuple[str, Any]:
   """("ok", value) or ("error", message), in a worker; SIGALRM ends it at `timeout_s`."""
   signal.signal(signal.SIGALRM, _alarm)
@@ -71,10 +76,13 @@ class RewardPool:
     self.restarts = 0  # pools killed for a sample past its hard deadline
 
   def _pool(self) -> cf.ProcessPoolExecutor:
+    """The workers, started and with the reward's module imported before any deadline runs:
+    start-up is not the reward's time."""
     if self._executor is None:
-      self._executor = cf.ProcessPoolExecutor(
-        self.workers, mp_context=multiprocessing.get_context("forkserver")
-      )
+      context = multiprocessing.get_context("forkserver")
+      ex = cf.ProcessPoolExecutor(self.workers, mp_context=context)
+      list(ex.map(_warm, [self.fn] * self.workers))
+      self._executor = ex
     return self._executor
 
   def score(self, completions: Sequence[str], records: Sequence[dict]) -> list[tuple[str, Any]]:

@@ -65,7 +65,7 @@ def test_a_spinning_reward_times_out_and_costs_only_its_sample():
 
 
 def test_a_reward_stuck_past_the_timer_or_killing_its_worker_is_contained():
-  pool = RewardPool(by_completion, workers=2, timeout_s=0.5, grace_s=1.0)
+  pool = RewardPool(by_completion, workers=2, timeout_s=0.5, grace_s=2.0)
   try:
     values, failures = rewards.compute_rewards(
       by_completion, ["1", "stuck", "3"], RECORDS[:3], on_error="zero", pool=pool
