@@ -14,6 +14,7 @@ from typing import Any
 # Re-exported: `jaxrl.config` stays the one import for every section, the error and the checks.
 from jaxrl.config_fields import LOSS_AGGREGATIONS, ConfigError, check  # noqa: F401
 from jaxrl.config_fields import option as _field
+from jaxrl.config_reward import RewardConfig, SandboxConfig  # noqa: F401
 from jaxrl.config_rl import (  # noqa: F401
   AllocationConfig,
   CriticConfig,
@@ -116,9 +117,9 @@ class ModelSection:
 class TaskConfig:
   name: str = _field(
     "arithmetic",
-    choices=("arithmetic", "chain", "jsonl", "word_problems"),
+    choices=("arithmetic", "chain", "functions", "jsonl", "word_problems"),
     help="the prompt source (chain: sums of a heavy-tailed number of digits, long-tailed "
-    "completions)",
+    "completions; functions: write f(x) from examples, run against tests in the sandbox)",
   )
   path: str = _field("", help="name='jsonl': the training JSONL/Parquet file")
   held_out_path: str = _field("", help="name='jsonl': a held-out file ('' = held_out_fraction)")
@@ -132,6 +133,10 @@ class TaskConfig:
     help="name='jsonl': gsm8k = the final answer follows '####'; raw = the whole field",
   )
   num_problems: int = _field(2000, lo=1, help="name='word_problems': problems generated")
+  max_coef: int = _field(
+    9, lo=1, hi=99, help="name='functions': coefficients of f are integers in [-max_coef, max_coef]"
+  )
+  max_degree: int = _field(1, lo=1, hi=2, help="name='functions': f is linear (1) or quadratic (2)")
   prompt_template: str = _field("{prompt}", help="str.format over the record's fields")
   chat: bool = _field(False, help="render the prompt through the tokenizer's chat template")
   system_prompt: str = _field("", help="chat=True: a system message ('' = none)")
@@ -157,31 +162,6 @@ class TaskConfig:
     choices=("uniform", "by_digits"),
     help="name='arithmetic': uniform operands, or uniform over digit counts",
   )
-
-
-@dataclasses.dataclass(frozen=True)
-class RewardConfig:
-  name: str = _field("exact_match", help="a reward function registered in jaxrl.rewards")
-  on_error: str = _field(
-    "raise",
-    choices=("raise", "zero"),
-    help="a reward function that raises or returns a non-number, a non-finite value or one "
-    "beyond max_abs: stop the run, or score 0 and count it",
-  )
-  max_abs: float = _field(
-    1e6,
-    lo=0.0,
-    lo_open=True,
-    help="the largest |reward| accepted; beyond it a reward is an error (per on_error) before "
-    "float32 advantages can overflow",
-  )
-  timeout_s: float = _field(
-    0.0,
-    lo=0.0,
-    help="0: score in the training process; > 0: in reward.workers worker processes, each "
-    "sample stopped after this many seconds (a timeout is an error, per on_error)",
-  )
-  workers: int = _field(2, lo=1, help="reward.timeout_s > 0: the worker processes")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -90,7 +90,9 @@ def compute_rewards(
       in float32: 1e39 would become inf); config.reward.max_abs keeps it far lower so that
       advantages and losses cannot overflow downstream.
     pool: a `jaxrl.rewards.pool.RewardPool` to score in (worker processes, each sample under
-      a time limit; a timeout is an error like any other); None scores here, in this thread.
+      a time limit; a timeout is an error like any other); None scores here: through
+      `fn.score_batch(completions, records)` when `fn` has one (a list of ("ok", value) or
+      ("error", message), e.g. the sandboxed code rewards), else one call per sample.
 
   Returns:
     `(rewards, num_failures)`: float32 rewards of shape [len(completions)] and the number of
@@ -104,7 +106,12 @@ def compute_rewards(
     )
   rewards = np.zeros(len(completions), np.float32)
   failures = 0
-  scored = None if pool is None else pool.score(completions, records)
+  if pool is not None:
+    scored = pool.score(completions, records)
+  elif hasattr(fn, "score_batch"):  # a reward that scores a batch at once (code: in parallel)
+    scored = fn.score_batch(completions, records)
+  else:
+    scored = None
   for i, (completion, record) in enumerate(zip(completions, records, strict=True)):
     try:
       if scored is None:

@@ -7,16 +7,18 @@ from pathlib import Path
 
 from flax import nnx
 
-from jaxrl.config import ConfigError, ModelSection, TaskConfig, TeacherConfig
+from jaxrl.config import ConfigError, ModelSection, SandboxConfig, TaskConfig, TeacherConfig
 from jaxrl.data import word_problems
 from jaxrl.data.arithmetic import ArithmeticTask
 from jaxrl.data.chain import ChainSumTask
+from jaxrl.data.functions import FunctionTask
 from jaxrl.data.jsonl import JsonlTask
 from jaxrl.kernels import KERNELS
 from jaxrl.mesh import Rules, shard_params
 from jaxrl.models.config import ModelConfig, from_preset
 from jaxrl.models.hf import load_hf_checkpoint
 from jaxrl.models.transformer import make_model
+from jaxrl.rewards.sandbox import Limits, SandboxUnavailableError
 from jaxrl.tokenizer import Tokenizer, load_tokenizer
 
 
@@ -123,10 +125,11 @@ def build_teacher(
 
 def build_task(
   task: TaskConfig, workdir: str | os.PathLike, *, seed: int
-) -> ArithmeticTask | ChainSumTask | JsonlTask:
+) -> ArithmeticTask | ChainSumTask | FunctionTask | JsonlTask:
   """The prompt source: arithmetic (synthetic), chain (synthetic, long-tailed completions),
-  jsonl (a local file, GSM8K layout by default) or word_problems (GSM8K-format problems
-  generated into workdir/data)."""
+  functions (write f(x) from examples; a code reward runs it against tests), jsonl (a local
+  file, GSM8K layout by default) or word_problems (GSM8K-format problems generated into
+  workdir/data)."""
   if task.name == "arithmetic":
     return ArithmeticTask(
       max_digits=task.max_digits,
@@ -140,6 +143,12 @@ def build_task(
       min_terms=task.min_terms,
       max_terms=task.max_terms,
       tail=task.tail,
+      held_out_fraction=task.held_out_fraction,
+    )
+  if task.name == "functions":
+    return FunctionTask(
+      max_coef=task.max_coef,
+      max_degree=task.max_degree,
       held_out_fraction=task.held_out_fraction,
     )
   if task.name == "word_problems":
@@ -192,3 +201,21 @@ class PromptEncoder:
 
   def __call__(self, record) -> list[int]:
     return self.tokenizer.encode(self.text(record), add_bos=not self.chat)
+
+
+def sandboxed(reward_fn, sandbox: SandboxConfig):
+  """A code reward under config.reward.sandbox's limits; the isolation asked for is checked
+  here, before the model is built."""
+  limits = Limits(
+    cpu_s=sandbox.cpu_s,
+    wall_s=sandbox.wall_s,
+    memory_mb=sandbox.memory_mb,
+    file_size_mb=sandbox.file_size_mb,
+    processes=sandbox.processes,
+    output_bytes=sandbox.output_kb * 1024,
+    isolation=sandbox.isolation,
+  )
+  try:
+    return reward_fn.configured(limits, workers=sandbox.workers)
+  except SandboxUnavailableError as e:
+    raise ConfigError(f"config.reward.sandbox.isolation={sandbox.isolation!r}: {e}") from e

@@ -83,6 +83,8 @@ class Run:
       except ValueError as e:
         raise ConfigError(f"config.rl.prompt_pool={cfg.rl.prompt_pool}: {e}") from e
     reward_fn = rewards.get(cfg.reward.name)
+    if hasattr(reward_fn, "configured"):  # a code reward: its sandbox's limits
+      reward_fn = components.sandboxed(reward_fn, cfg.reward.sandbox)
     reward_pool = None
     if cfg.reward.timeout_s > 0:
       try:

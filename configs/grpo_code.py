@@ -1,0 +1,54 @@
+"""GRPO on a small code task, rewarded by running the completion against tests in the sandbox.
+
+The prompt shows f at x = 0, 1, 2 and opens `def f(x):return `; the model writes the body
+("3*x+2"), and `code_tests` runs it with four tests at unseen inputs in a sandboxed process
+(jaxrl.rewards.sandbox: namespaces where the host allows them, CPU/wall/memory/file/process
+limits always): 1.0 iff all four pass. Coefficients in [-20, 20], linear f (task.name='functions').
+
+Launch:
+  bash launch/train.sh --config=configs/grpo_code.py
+  bash launch/train.sh --config=configs/grpo_code.py:smoke      # about a minute
+
+Every completion is a process: ~30-60 ms each on a 2-core CPU, `reward.sandbox.workers` at a
+time, so a step of 64 x 8 samples spends ~10 s scoring. Expected results: see docs/results.md
+("Code task"); ':smoke' only checks that everything moves.
+"""
+
+from pathlib import Path
+
+import ml_collections
+
+from jaxrl.config import complete, config_module
+
+VARIANTS = ("", "smoke")
+
+
+def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
+  arg = arg or ""
+  if arg not in VARIANTS:
+    raise ValueError(f"unknown config variant {arg!r}; valid: {VARIANTS}")
+  smoke = arg == "smoke"
+  c = config_module(Path(__file__).with_name("grpo_arith.py")).get_config(
+    "smoke" if smoke else None
+  )
+  c.workdir = "runs/grpo_code" + ("_smoke" if smoke else "")
+  c.task = dict(name="functions", max_coef=20, max_degree=1, held_out_fraction=0.1)
+  # A completion that does not compile or fails a test scores 0 (not an error); only a sandbox
+  # that cannot start is one, and it should stop the run.
+  c.reward = dict(
+    name="code_tests",
+    on_error="raise",
+    sandbox=dict(isolation="auto", cpu_s=2, wall_s=5.0, memory_mb=512, workers=2),
+  )
+  c.sft.careless_rate = 0.0  # correct demonstrations: the canonical body of f
+  c.rl.max_prompt_len = 48  # BOS + "f(0)=-20,f(1)=-40,f(2)=-60\ndef f(x):return " (44) + spare
+  c.rl.max_new_tokens = 16  # "-20*x-20" + EOS (9) + spare
+  c.eval.num_examples = 128  # of the ~168 held-out problems
+  if smoke:
+    c.eval.num_examples = 32
+  else:
+    c.sft.steps = 1200
+    c.rl.steps = 100
+    c.rl.optim.learning_rate = 3e-5
+    c.eval.every = 20
+  return complete(c)

@@ -1,0 +1,143 @@
+"""Code-execution rewards: the completion, completed into a program by the record, runs with the
+record's tests in the sandbox (jaxrl.rewards.sandbox), one contained process per completion.
+
+A record carries `code_prefix` (what the prompt opened, e.g. "def f(x):return ") and `tests`
+(Python expressions that must evaluate to True, e.g. "f(3)==11"). The program is
+
+    <code_prefix><completion>
+    <a harness that evaluates each test, catching its exceptions, and prints a report line>
+
+- "code_tests": 1.0 iff every test passes (verl's and TRL's pass/fail code reward);
+- "code_tests_passed": the fraction of tests that pass (partial credit).
+
+A program that does not compile, raises before the tests, runs out of time or memory, or
+prints past the output cap scores 0: that is the completion's failure, not the reward's. Only a
+sandbox that cannot start raises (an error per `reward.on_error`).
+
+The harness's report line carries a random token drawn per program; the completion runs in the
+same interpreter, so a program that inspects the harness's frames could forge it. A policy this
+size does not find that; a large one might (as with any in-process test runner).
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+from collections.abc import Sequence
+from typing import Any
+
+from jaxrl.rewards import registry
+from jaxrl.rewards.sandbox import Limits, Outcome, SandboxPool
+
+_HARNESS = """
+def _jaxrl_report(tests, token):
+  import sys
+  passed = 0
+  for test in tests:
+    try:
+      passed += eval(test, globals()) is True
+    except BaseException:
+      pass
+  sys.stdout.write("\\n" + token + " " + str(passed) + " " + str(len(tests)) + "\\n")
+  sys.stdout.flush()
+_jaxrl_report({tests}, {token})
+"""
+
+
+_DEFAULT_LIMITS = Limits()
+
+
+class SandboxError(RuntimeError):
+  """The sandbox could not run a program (not the program's failure)."""
+
+
+def program(completion: str, record: dict[str, Any], token: str) -> str:
+  """The source run for `completion`: the record's prefix, the completion, the test harness."""
+  try:
+    prefix, tests = record["code_prefix"], record["tests"]
+  except KeyError as e:
+    raise KeyError(
+      f"a code reward needs records with 'code_prefix' and 'tests' fields; this one has "
+      f"{sorted(record)}"
+    ) from e
+  if not isinstance(tests, list) or not all(isinstance(t, str) for t in tests) or not tests:
+    raise ValueError(f"record['tests'] must be a non-empty list of strings, got {tests!r}")
+  harness = _HARNESS.format(tests=json.dumps(tests), token=json.dumps(token))
+  return f"{prefix}{completion}\n{harness}"
+
+
+def tests_passed(outcome: Outcome, token: str) -> tuple[int, int] | None:
+  """(passed, total) from the harness's report, or None if the program never got there."""
+  if outcome.status == "setup":
+    raise SandboxError(f"the sandbox could not start: {outcome.stderr.strip()[-500:]}")
+  if outcome.status != "ok":
+    return None
+  for line in reversed(outcome.stdout.splitlines()):
+    parts = line.split(" ")
+    if len(parts) == 3 and parts[0] == token:
+      return int(parts[1]), int(parts[2])
+  return None
+
+
+class CodeTestsReward:
+  """A reward function (completion, record) -> float that runs programs in a SandboxPool;
+  `score_batch` runs a whole batch's programs concurrently."""
+
+  def __init__(self, *, all_or_nothing: bool, limits: Limits = _DEFAULT_LIMITS, workers: int = 2):
+    self.all_or_nothing, self.limits, self.workers = all_or_nothing, limits, workers
+    self.__name__ = "code_tests" if all_or_nothing else "code_tests_passed"
+    self._pool: SandboxPool | None = None
+
+  def configured(self, limits: Limits, workers: int) -> CodeTestsReward:
+    """The same reward under other limits (config.reward.sandbox); checks the isolation asked
+    for is available here, before any work."""
+    out = CodeTestsReward(all_or_nothing=self.all_or_nothing, limits=limits, workers=workers)
+    out.pool()
+    return out
+
+  def pool(self) -> SandboxPool:
+    if self._pool is None:
+      self._pool = SandboxPool(self.limits, workers=self.workers)
+    return self._pool
+
+  def __getstate__(self):  # to reward worker processes: the settings, not the threads
+    return {**self.__dict__, "_pool": None}
+
+  def _value(self, passed: tuple[int, int] | None) -> float:
+    if passed is None:
+      return 0.0
+    k, n = passed
+    return float(k == n) if self.all_or_nothing else k / n
+
+  def __call__(self, completion: str, record: dict[str, Any]) -> float:
+    token = secrets.token_hex(8)
+    (outcome,) = self.pool().run_many([program(completion, record, token)])
+    return self._value(tests_passed(outcome, token))
+
+  def score_batch(
+    self, completions: Sequence[str], records: Sequence[dict[str, Any]]
+  ) -> list[tuple[str, Any]]:
+    """One ("ok", reward) or ("error", message) per sample, the programs run concurrently."""
+    tokens, programs, out = [], [], [None] * len(completions)
+    for i, (completion, record) in enumerate(zip(completions, records, strict=True)):
+      tokens.append(secrets.token_hex(8))
+      try:
+        programs.append((i, program(completion, record, tokens[-1])))
+      except (KeyError, ValueError) as e:
+        out[i] = ("error", f"{type(e).__name__}: {e}")
+    outcomes = self.pool().run_many([p for _, p in programs])
+    for (i, _), outcome in zip(programs, outcomes, strict=True):
+      try:
+        out[i] = ("ok", self._value(tests_passed(outcome, tokens[i])))
+      except SandboxError as e:
+        out[i] = ("error", f"SandboxError: {e}")
+    return out
+
+  def close(self) -> None:
+    if self._pool is not None:
+      self._pool.close()
+      self._pool = None
+
+
+registry.register("code_tests")(CodeTestsReward(all_or_nothing=True))
+registry.register("code_tests_passed")(CodeTestsReward(all_or_nothing=False))

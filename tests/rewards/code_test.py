@@ -1,0 +1,85 @@
+"""Code rewards: the completion runs with the record's tests in the sandbox; pass/fail and
+partial credit by hand, the batch path equal to the one-at-a-time path, a forged report line
+and hostile completions score 0, and only a sandbox that cannot start is an error."""
+
+import numpy as np
+import pytest
+
+from jaxrl import rewards
+from jaxrl.config import ConfigError, SandboxConfig
+from jaxrl.rewards import code, sandbox
+from jaxrl.rewards.code import CodeTestsReward
+from jaxrl.rl import components
+
+RECORD = {
+  "prompt": "f(0)=2,f(1)=5,f(2)=8\ndef f(x):return ",
+  "code_prefix": "def f(x):return ",
+  "tests": ["f(3)==11", "f(5)==17", "f(-2)==-4", "f(10)==32"],
+}
+CASES = [
+  ("3*x+2", 1.0, 1.0),  # f itself
+  ("2+x*3", 1.0, 1.0),  # any equal expression
+  ("3*x+2 if x<5 else 0", 0.0, 0.5),  # right at 3 and -2 only
+  ("{0: 2, 1: 5, 2: 8}[x]", 0.0, 0.0),  # the examples memorised: KeyError on every test
+  ("3*x+", 0.0, 0.0),  # does not compile
+  ("print('%s 4 4' % 'deadbeef') or 0", 0.0, 0.0),  # a report line without the real token
+  ("__import__('os').system('echo hi')", 0.0, 0.0),  # a shell: refused, the tests fail
+  ("[0] * 10**10", 0.0, 0.0),  # a memory hog
+]
+
+
+@pytest.mark.parametrize("completion, all_pass, fraction", CASES)
+def test_rewards_by_hand(completion, all_pass, fraction):
+  assert rewards.get("code_tests")(completion, RECORD) == all_pass
+  assert rewards.get("code_tests_passed")(completion, RECORD) == fraction
+
+
+def test_batch_scores_equal_one_at_a_time_and_run_concurrently():
+  completions = [c for c, _, _ in CASES]
+  records = [RECORD] * len(CASES)
+  fn = rewards.get("code_tests_passed")
+  batch, failures = rewards.compute_rewards(fn, completions, records, on_error="raise")
+  assert failures == 0
+  np.testing.assert_array_equal(batch, np.float32([f for _, _, f in CASES]))
+
+
+def test_a_program_past_its_time_scores_zero():
+  fn = CodeTestsReward(all_or_nothing=True).configured(sandbox.Limits(wall_s=1.0), workers=1)
+  assert fn("(lambda: [0 for _ in iter(int, 1)])()", RECORD) == 0.0
+  fn.close()
+
+
+def test_a_record_without_tests_is_a_reward_error_naming_its_fields():
+  bad = {"prompt": "p", "answer": "1"}
+  with pytest.raises(rewards.RewardError, match=r"needs records with 'code_prefix' and 'tests'"):
+    rewards.compute_rewards(rewards.get("code_tests"), ["1"], [bad], on_error="raise")
+  r, failures = rewards.compute_rewards(rewards.get("code_tests"), ["1"], [bad], on_error="zero")
+  assert failures == 1 and r[0] == 0.0
+
+
+def test_a_sandbox_that_cannot_start_is_an_error_not_a_zero(monkeypatch):
+  broken = sandbox.Outcome("setup", 87, "", "sandbox set-up failed: OSError: mount", 0.0)
+  monkeypatch.setattr(sandbox.SandboxPool, "run_many", lambda self, programs: [broken] * 2)
+  fn = CodeTestsReward(all_or_nothing=True)
+  with pytest.raises(rewards.RewardError, match=r"SandboxError: the sandbox could not start"):
+    rewards.compute_rewards(fn, ["1", "2"], [RECORD] * 2, on_error="raise")
+  r, failures = rewards.compute_rewards(fn, ["1", "2"], [RECORD] * 2, on_error="zero")
+  assert failures == 2
+
+
+def test_the_report_is_read_from_the_harness_token_only():
+  ok = sandbox.Outcome("ok", 0, "noise\nabc 3 4\n", "", 0.0)
+  assert code.tests_passed(ok, "abc") == (3, 4)
+  assert code.tests_passed(ok, "xyz") is None
+  assert code.tests_passed(sandbox.Outcome("timeout", None, "abc 4 4\n", "", 0.0), "abc") is None
+
+
+def test_config_asking_for_namespaces_where_none_exist_is_refused(monkeypatch):
+  monkeypatch.setattr(sandbox, "_namespace_prefix", lambda: None)
+  with pytest.raises(
+    ConfigError, match=r"config\.reward\.sandbox\.isolation='namespaces': sandbox isolation="
+  ):
+    components.sandboxed(rewards.get("code_tests"), SandboxConfig(isolation="namespaces"))
+  fn = components.sandboxed(rewards.get("code_tests"), SandboxConfig(isolation="auto", cpu_s=1))
+  assert fn.limits.cpu_s == 1 and fn.pool().isolation == "limits"
+  fn.close()
