@@ -482,6 +482,7 @@ def validate(cfg) -> Config:
     d.align_high,
     f"> distill.align_low = {d.align_low}",
   )
+  check(c.workdir.strip() != "", "workdir", c.workdir, "a directory for the run's outputs")
   check(
     set(c.task.ops) <= set("+-*") and c.task.ops != "", "task.ops", c.task.ops, "chars of '+-*'"
   )

@@ -4,11 +4,12 @@ row once with the same values.
 
   python -m launch.fault_inject --config=configs/grpo_arith.py:smoke --kills=20 --out=/tmp/fi
 
-Each try is killed at a random moment: a random part of the start-up (timed on the
-uninterrupted run, until its first checkpoint) plus a random share of the rest, sized so that
-the tries together cover the run about twice; every other try instead waits from that moment
-for a checkpoint write to start (an orbax temporary directory appears) and is killed inside it.
-A try that finishes before its kill ends the series (the report counts the kills that landed).
+Kills are keyed on the try's progress, in turn: one inside the start-up (a random share of
+the uninterrupted run's time to its first checkpoint: imports, compiles, the restore), one
+inside a checkpoint write (when an orbax temporary directory appears), and one a random delay
+after the try has committed a checkpoint of its own (so the series moves forward between
+kills). A job with C checkpoints therefore takes about 3C kills before it can finish; a try
+that finishes before its kill ends the series (the report counts the kills that landed).
 Writes OUT/report.json; exits 1 if the runs differ.
 """
 
@@ -43,27 +44,38 @@ def _writing(workdir: Path) -> bool:
   return any(workdir.glob("checkpoints/*/*.orbax-checkpoint-tmp*"))
 
 
-def _run_and_kill(cmd, workdir: Path, log, delay: float, in_write: bool, limit: float):
-  """Start `cmd`, SIGKILL it after `delay` seconds (with `in_write`: at the first checkpoint
-  write seen after that, or at `limit`); what happened."""
+def _committed(workdir: Path) -> set[str]:
+  """The checkpoints committed so far, as "phase/step"."""
+  return {f"{p.parent.name}/{p.name}" for p in workdir.glob("checkpoints/*/*") if p.name.isdigit()}
+
+
+KINDS = ("start-up", "checkpoint write", "after a checkpoint")
+
+
+def _run_and_kill(cmd, workdir: Path, log, kind: str, delay: float, limit: float) -> dict:
+  """Start `cmd` and SIGKILL it: after `delay` seconds ("start-up"), inside its first
+  checkpoint write ("checkpoint write"), or `delay` seconds after it commits its first
+  checkpoint ("after a checkpoint"); at `limit` seconds whatever happened. What happened."""
+  before = _committed(workdir)
   proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
   t0 = time.monotonic()
-  caught = False
+  caught, kill_at = False, delay if kind == "start-up" else None
   while proc.poll() is None:
-    elapsed = time.monotonic() - t0
-    if elapsed >= delay and not in_write:
+    now = time.monotonic() - t0
+    if now >= limit or (kill_at is not None and now >= kill_at):
       break
-    if elapsed >= delay and _writing(workdir):
+    if kind == "checkpoint write" and _writing(workdir):
       caught = True
       break
-    if elapsed >= limit:  # no write seen: kill anyway
-      break
-    time.sleep(0.002 if in_write and elapsed >= delay else 0.02)
+    if kind == "after a checkpoint" and kill_at is None and _committed(workdir) - before:
+      kill_at = now + delay
+    time.sleep(0.002 if kind == "checkpoint write" else 0.01)
   finished = proc.poll() is not None
   if not finished:
     proc.send_signal(signal.SIGKILL)
     proc.wait()
   return {
+    "kind": kind,
     "after_s": round(time.monotonic() - t0, 3),
     "inside_checkpoint_write": caught,
     "finished_before_the_kill": finished,
@@ -150,26 +162,32 @@ def main(argv=None) -> int:
       _command(args.config, out / "full", args.set), cwd=ROOT, stdout=log, stderr=subprocess.STDOUT
     )
     ready = None  # start-up: until the first checkpoint is committed
+    seen: set[str] = set()  # every checkpoint committed (older ones are deleted as it goes)
     while proc.poll() is None:
-      if ready is None and any((out / "full").glob("checkpoints/*/[0-9]*")):
+      seen |= _committed(out / "full")
+      if ready is None and seen:
         ready = time.monotonic() - t0
       time.sleep(0.02)
+    seen |= _committed(out / "full")
     rc, wall = proc.returncode, time.monotonic() - t0
     ready = wall / 2 if ready is None else ready
   if rc:
     print(f"the uninterrupted run failed (exit {rc}); see {out / 'full.log'}", file=sys.stderr)
     return 2
-  print(f"[fault_inject] uninterrupted run: {wall:.1f}s, {ready:.1f}s to its first checkpoint")
-  # Each try gets a random part of the start-up (a restart restores instead of evaluating the
-  # initial policy: it starts up faster) plus a random share of the rest of the run, so that
-  # --kills tries together cover it about twice: kills land in start-up, restore and training.
-  span = 2 * max(wall - ready, 1.0) / max(args.kills, 1)
+  checkpoints = max(len(seen), 1)
+  print(
+    f"[fault_inject] uninterrupted run: {wall:.1f}s, {ready:.1f}s to its first of "
+    f"{len(seen)} checkpoints"
+  )
+  # The time between two checkpoints of the uninterrupted run bounds the delay after one.
+  gap = max(wall - ready, 0.1) / checkpoints
   kills = []
   cmd = _command(args.config, out / "killed", args.set)
   with open(out / "killed.log", "w") as log:
     for i in range(args.kills):
-      delay = rng.uniform(0.3, 1.0) * ready + rng.uniform(0.0, span)
-      kill = _run_and_kill(cmd, out / "killed", log, delay, in_write=i % 2 == 1, limit=delay + wall)
+      kind = KINDS[i % len(KINDS)]
+      delay = rng.uniform(0.2, 1.0) * ready if kind == "start-up" else rng.uniform(0.0, gap)
+      kill = _run_and_kill(cmd, out / "killed", log, kind, delay, limit=2 * wall)
       kills.append(kill)
       print(f"[fault_inject] kill {i + 1}/{args.kills}: {kill}", flush=True)
       if kill["finished_before_the_kill"]:  # nothing left to interrupt: a longer job for more
@@ -185,6 +203,10 @@ def main(argv=None) -> int:
     "kills": kills,
     "kills_landed": sum(not k["finished_before_the_kill"] for k in kills),
     "kills_inside_checkpoint_writes": sum(k["inside_checkpoint_write"] for k in kills),
+    "kills_by_kind": {
+      kind: sum(k["kind"] == kind and not k["finished_before_the_kill"] for k in kills)
+      for kind in KINDS
+    },
     "identical": not problems,
     "problems": problems,
   }

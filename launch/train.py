@@ -1,5 +1,6 @@
 """Train with a config file: python -m launch.train --config=configs/grpo_arith.py[:smoke]."""
 
+import os
 import re
 import sys
 
@@ -22,10 +23,21 @@ def _parse_flags(argv):
     m = re.match(r"--(?:no)?config\.([\w.]+)", arg)
     if m and (msg := unknown_field_message(m.group(1))):
       sys.exit(f"error in command-line flags: {msg}")
+    m = re.match(r"--config=([^:]*)", arg)
+    if m and not os.path.isfile(m.group(1)):
+      sys.exit(
+        f"error in command-line flags: --config={m.group(1)!r} is not a file; expected "
+        "configs/NAME.py, optionally with :variant"
+      )
   try:
     return flags.FLAGS(argv)
   except (flags.Error, AttributeError, KeyError, TypeError, ValueError) as e:
     msg = " ".join(str(e).replace("\\n", " ").split())
+    # An exception inside the config file arrives with its whole traceback: keep its last line.
+    if "Traceback (most recent call last)" in msg:
+      head = msg.split(": Error whilst parsing", 1)[0]
+      last = re.findall(r"\b(\w+(?:Error|Exception): .*?)(?= File \"|$)", msg)
+      msg = f"{head}: {last[-1]}" if last else msg
     sys.exit(f"error in command-line flags: {msg}")
 
 
@@ -34,18 +46,27 @@ def main(argv):
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO
   # Imported here so that --help and flag errors do not pay for importing jax.
+  from jaxrl.checkpoint import CheckpointError
   from jaxrl.config import ConfigError, validate
+  from jaxrl.data.jsonl import RecordError
   from jaxrl.guard import NonFiniteError
+  from jaxrl.models.hf import CheckpointFileError
   from jaxrl.preemption import Preempted
+  from jaxrl.rewards import RewardError
   from jaxrl.rl.loop import Trainer
+  from jaxrl.tokenizer import TokenizerFileError
 
+  # A bad file or a failing reward ends the run on its own message, not a traceback.
+  input_errors = (RecordError, TokenizerFileError, CheckpointFileError, CheckpointError)
   try:
     trainer = Trainer(validate(_CONFIG.value))
   except ConfigError as e:
     sys.exit(f"error in config: {e}")
+  except input_errors as e:
+    sys.exit(f"error in input: {e}")
   try:
     trainer.run()
-  except NonFiniteError as e:
+  except (NonFiniteError, RewardError, *input_errors) as e:
     sys.exit(f"error: {e}")  # after `finally` has finished the in-flight checkpoint writes
   except Preempted as e:
     print(f"[jaxrl] {e}", file=sys.stderr)

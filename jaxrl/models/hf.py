@@ -227,7 +227,12 @@ def load_hf_checkpoint(
   path = Path(path)
   if (mesh is None) != (rules is None):
     raise ValueError("load_hf_checkpoint needs both mesh= and rules=, or neither")
-  hf_config = json.loads((path / "config.json").read_text())
+  try:
+    hf_config = json.loads((path / "config.json").read_text())
+  except FileNotFoundError as e:
+    raise CheckpointFileError(f"{path} is not an HF checkpoint directory: no config.json") from e
+  except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    raise CheckpointFileError(f"{path / 'config.json'} is not valid JSON: {e}") from e
   cfg = config_from_hf(hf_config)
   if dtype is not None:
     cfg = cfg.replace(dtype=dtype, param_dtype=dtype)

@@ -25,6 +25,11 @@ from jaxrl.tokenizer import Tokenizer, load_tokenizer
 def build_tokenizer(model: ModelSection) -> Tokenizer:
   """model.tokenizer: 'byte', an HF tokenizer directory, or '' (model.path's, else bytes)."""
   spec = model.tokenizer or model.path or "byte"
+  if model.path and not Path(model.path).is_dir():
+    raise ConfigError(
+      f"config.model.path={model.path!r} does not exist; allowed: an HF checkpoint directory "
+      "(config.json, *.safetensors, tokenizer.json) or '' for model.preset"
+    )
   try:
     return load_tokenizer(spec)
   except (ValueError, OSError) as e:

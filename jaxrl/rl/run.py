@@ -64,9 +64,12 @@ class Run:
       # weights and splits its rows over all of its devices (decode reads every weight).
       devices, sampler_devices = split_devices(devices, cfg.rl.placement.sampler_fraction)
       sampler_mesh = make_mesh(data=-1, fsdp=1, tensor=1, devices=sampler_devices)
-    mesh = make_mesh(
-      cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor, expert=cfg.mesh.expert, devices=devices
-    )
+    try:
+      mesh = make_mesh(
+        cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor, expert=cfg.mesh.expert, devices=devices
+      )
+    except ValueError as e:
+      raise ConfigError(f"config.mesh: {e}") from e
     rules = get_rules(cfg.mesh.rules)
     check_batches_divide(cfg, mesh, rules)
     # The task, its prompt template and the reward before the model: their errors come first.
@@ -74,8 +77,13 @@ class Run:
     task = components.build_task(cfg.task, workdir, seed=cfg.seed)
     held_out = task.held_out(cfg.eval.num_examples, seed=cfg.seed)
     encode_prompt = components.PromptEncoder(cfg.task, tok)
-    if held_out:  # task.prompt_template fits the task's records: checked here, not mid-run
-      encode_prompt.text(held_out[0])
+    if held_out:  # the template fits the task's records and its prompts fit: not mid-run
+      longest = max(held_out, key=lambda r: len(encode_prompt(r)))
+      if (n := len(encode_prompt(longest))) > cfg.rl.max_prompt_len:
+        raise ConfigError(
+          f"config.rl.max_prompt_len={cfg.rl.max_prompt_len} is shorter than the task's "
+          f"prompts: {encode_prompt.text(longest)!r} is {n} tokens"
+        )
     pool = None
     if cfg.rl.prompt_pool:
       try:
