@@ -29,16 +29,18 @@ def _fold(counts: jax.Array, flag: jax.Array) -> jax.Array:
 
 
 @jax.jit
-def _leaves_finite(leaves: list) -> jax.Array:
-  return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves]))
+def tree_finite(tree) -> jax.Array:
+  """A boolean scalar: every element of every leaf of `tree` is finite. Traceable (the train
+  step's guard calls it inside jit); integer leaves are always finite."""
+  leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]
+  return jnp.all(jnp.stack(leaves)) if leaves else jnp.asarray(True)
 
 
 def all_finite(tree) -> bool:
-  """Whether every element of every floating-point leaf of `tree` is finite."""
-  leaves = [
-    x for x in jax.tree.leaves(tree) if hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.inexact)
-  ]
-  return bool(_leaves_finite(leaves)) if leaves else True
+  """Whether every element of every floating-point leaf of `tree` is finite (on the host: the
+  checkpointer's check; leaves without a dtype are skipped)."""
+  inexact = lambda x: hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.inexact)
+  return bool(tree_finite([x for x in jax.tree.leaves(tree) if inexact(x)]))
 
 
 class NonFiniteGuard:

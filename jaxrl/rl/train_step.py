@@ -29,6 +29,8 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
+from jaxrl.guard import tree_finite
+
 
 @flax.struct.dataclass
 class TrainState:
@@ -151,11 +153,6 @@ def _split_micro(batch, k: int):
   return jax.tree.map(split, batch)
 
 
-def _all_finite(tree) -> jax.Array:
-  leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]
-  return jnp.all(jnp.stack(leaves)) if leaves else jnp.asarray(True)
-
-
 def make_train_step(
   optimizer,
   loss,
@@ -205,7 +202,7 @@ def make_train_step(
     # The gradient's and the update's norms are finite iff every element is (or they overflow:
     # a gradient too large to square in float32 is skipped as well).
     grad_norm, update_norm = optax.tree.norm(grads), optax.tree.norm(updates)
-    finite = _all_finite(aux) & jnp.isfinite(grad_norm) & jnp.isfinite(update_norm)
+    finite = tree_finite(aux) & jnp.isfinite(grad_norm) & jnp.isfinite(update_norm)
     if skip_nonfinite:
       keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)
       trained = keep(new_trained, trained)
