@@ -88,7 +88,9 @@ def _final_state(workdir: Path) -> tuple[int, dict]:
   import jax
   import numpy as np
   import orbax.checkpoint as ocp
+  from absl import logging
 
+  logging.set_verbosity(logging.ERROR)  # orbax warns of a metadata file it does not need
   ckpts = workdir / "checkpoints" / "rl"
   step = max(int(p.name) for p in ckpts.iterdir() if p.name.isdigit())
   path = ckpts / str(step) / "state"
