@@ -45,12 +45,6 @@ def get(name: str) -> RewardFn:
 _FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 
-def _checked_reward(
-  fn: RewardFn, completion: str, record: dict[str, Any], max_abs: float | None
-) -> float:
-  return _checked_value(fn(completion, record), max_abs)
-
-
 def _checked_value(value: Any, max_abs: float | None) -> float:
   # numbers.Real covers int/float/bool and numpy scalars; arrays and None are rejected.
   if not isinstance(value, numbers.Real):
@@ -73,6 +67,7 @@ def compute_rewards(
   sample_ids: Sequence[int] | None = None,
   max_abs: float | None = None,
   pool=None,
+  kinds: dict[str, int] | None = None,
 ) -> tuple[np.ndarray, int]:
   """Applies `fn` to each (completion, record) pair.
 
@@ -94,6 +89,10 @@ def compute_rewards(
       `fn.score_batch(completions, records)` when `fn` has one (a list of ("ok", value) or
       ("error", message), e.g. the sandboxed code rewards), else one call per sample.
 
+    kinds: a dict the failures are counted into by kind (with on_error="zero"): "timeout"
+      (the reward ran out of time), "invalid" (it returned a non-number, a non-finite value
+      or one beyond max_abs), "exception" (it raised, or its worker died).
+
   Returns:
     `(rewards, num_failures)`: float32 rewards of shape [len(completions)] and the number of
     samples that failed (always 0 with on_error="raise").
@@ -113,13 +112,21 @@ def compute_rewards(
   else:
     scored = None
   for i, (completion, record) in enumerate(zip(completions, records, strict=True)):
+    kind = "exception"
     try:
-      if scored is None:
-        rewards[i] = _checked_reward(fn, completion, record, max_abs)
-      elif scored[i][0] == "ok":
-        rewards[i] = _checked_value(scored[i][1], max_abs)
-      else:
-        raise _WorkerError(scored[i][1])
+      try:
+        if scored is None:
+          value = fn(completion, record)
+        elif scored[i][0] == "ok":
+          value = scored[i][1]
+        else:
+          raise _WorkerError(scored[i][1])
+      except Exception as e:
+        if isinstance(e, TimeoutError) or str(e).startswith("TimeoutError"):
+          kind = "timeout"
+        raise
+      kind = "invalid"
+      rewards[i] = _checked_value(value, max_abs)
     except Exception as e:
       if on_error == "raise":
         prompt = record.get("prompt") if isinstance(record, dict) else None
@@ -131,4 +138,6 @@ def compute_rewards(
           f"{completion!r}): {detail}"
         ) from e
       failures += 1
+      if kinds is not None:
+        kinds[kind] = kinds.get(kind, 0) + 1
   return rewards, failures

@@ -195,7 +195,7 @@ class Experience:
     return params if self.quantize is None else self.quantize(params)
 
   def sample(
-    self, step: int, rnd: int, params, records, *, version: int | None = None
+    self, step: int, rnd: int, params, records, *, version: int | None = None, kinds=None
   ) -> tuple[Rollout, np.ndarray, int, dict]:
     """One round: G completions of each record's prompt with the sampler's `params`
     (`sampler_params`), scored; every token is stamped with
@@ -209,7 +209,7 @@ class Experience:
     def score(done) -> None:  # completions as they finish; a request id is its row
       ids = [c.request_id for c in done]
       texts = run.completions([c.tokens for c in done], [len(c.tokens) for c in done])
-      r, n_err = run.score(texts, [rows[i] for i in ids], sample_ids=ids)
+      r, n_err = run.score(texts, [rows[i] for i in ids], sample_ids=ids, kinds=kinds)
       scored.update(zip(ids, r.tolist(), strict=True))
       errors[0] += n_err
 
@@ -225,10 +225,12 @@ class Experience:
     if overlap:
       return rollout, np.array([scored[i] for i in range(len(rows))], np.float32), errors[0], engine
     texts = run.completions(rollout.tokens, rollout.lengths)
-    r, n_err = run.score(texts, rows)
+    r, n_err = run.score(texts, rows, kinds=kinds)
     return rollout, r, n_err, engine
 
-  def sample_partial(self, step: int, params, records, next_records, *, version: int) -> tuple:
+  def sample_partial(
+    self, step: int, params, records, next_records, *, version: int, kinds=None
+  ) -> tuple:
     """rl.partial's round: the groups in flight advanced by policy `version` until
     prompts_per_step are complete (jaxrl.rl.partial), scored. Returns (Rollout, rewards,
     reward errors, engine counters, partial-rollout stats)."""
@@ -239,10 +241,10 @@ class Experience:
       params, records, next_records, version=version, seed=run.seed(step, 0)
     )
     texts = run.completions(rollout.tokens, rollout.lengths)
-    r, n_err = run.score(texts, [rec for rec in recs for _ in range(g)])
+    r, n_err = run.score(texts, [rec for rec in recs for _ in range(g)], kinds=kinds)
     return rollout, r, n_err, engine, stats
 
-  def sample_allocated(self, step: int, params, records, *, version: int) -> tuple:
+  def sample_allocated(self, step: int, params, records, *, version: int, kinds=None) -> tuple:
     """rl.allocation's rounds: `initial` samples of every prompt, then the rest of the budget
     (prompts_per_step * group_size samples) by the allocator, from the rewards so far
     (jaxrl.rl.allocation). Sample j of prompt i is the same draw whichever round asks for it.
@@ -269,7 +271,7 @@ class Experience:
         order = [(i, j) for i in range(p) for j in samples[i]]
         new = [got[k] for k in order]
         texts = run.completions([c.tokens for c in new], [len(c.tokens) for c in new])
-        r, e = run.score(texts, [records[i] for i, _ in order])
+        r, e = run.score(texts, [records[i] for i, _ in order], kinds=kinds)
         n_err, passes = n_err + e, passes + 1
         for i, part in enumerate(np.split(r, np.cumsum(extra)[:-1])):  # order is prompt-major
           rewards[i] = np.concatenate([rewards[i], part])
@@ -347,13 +349,18 @@ class Experience:
       records, selected = self.prompt_filter.select(step, records, next_records)
     round_records = [records]
     group_sizes = None
+    kinds: dict[str, int] = {}  # this step's reward errors by kind
     if self.partial is not None:
-      rounds = [self.sample_partial(step, params, records, next_records, version=version)]
+      rounds = [
+        self.sample_partial(step, params, records, next_records, version=version, kinds=kinds)
+      ]
     elif rl.allocation.method != "none":
-      *first, group_sizes = self.sample_allocated(step, params, records, version=version)
+      *first, group_sizes = self.sample_allocated(
+        step, params, records, version=version, kinds=kinds
+      )
       rounds = [tuple(first)]
     else:
-      rounds = [self.sample(step, 0, params, records, version=version)]
+      rounds = [self.sample(step, 0, params, records, version=version, kinds=kinds)]
     row_weight = np.ones(rounds[0][1].shape, np.float32)
     stats = dict(rounds[0][4]) if len(rounds[0]) > 4 else {}
     rounds = [x[:4] for x in rounds]
@@ -365,7 +372,9 @@ class Experience:
         if next_records is None:
           raise ValueError("rl.dynamic_sampling needs next_records to draw more prompts")
         round_records.append(next_records())
-        rounds.append(self.sample(step, len(rounds), params, round_records[-1], version=version))
+        rounds.append(
+          self.sample(step, len(rounds), params, round_records[-1], version=version, kinds=kinds)
+        )
       rollout = concat_rows([x[0] for x in rounds], rows)
       r = np.concatenate([x[1] for x in rounds])[rows]
     else:
@@ -398,6 +407,8 @@ class Experience:
       for k, v in e.items():
         engine[k] = engine.get(k, 0.0) + float(v)
     stats["rl/reward_errors"] = float(sum(x[2] for x in rounds))
+    for kind in ("timeout", "invalid", "exception"):  # what they were (reward.on_error='zero')
+      stats[f"rl/reward_errors_{kind}"] = float(kinds.get(kind, 0))
     # Programs the engine compiled this step depend on what the process saw before (a resumed
     # run compiles again), like the timings: logged with them, out of the reproducible metrics.
     stats["time/rollout_compiles"] = engine.pop("compiles", 0.0)

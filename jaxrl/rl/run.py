@@ -185,9 +185,10 @@ class Run:
   def completions(self, tokens, lengths) -> list[str]:
     return [self.tokenizer.decode(t[:n]) for t, n in zip(tokens, lengths, strict=True)]
 
-  def score(self, texts: list[str], records, sample_ids=None) -> tuple[np.ndarray, int]:
+  def score(self, texts: list[str], records, sample_ids=None, kinds=None) -> tuple[np.ndarray, int]:
     """(rewards [B], number of reward-function errors) of completions against their records;
-    `sample_ids` name the samples in errors (default: their positions)."""
+    `sample_ids` name the samples in errors (default: their positions); errors are counted by
+    kind into `kinds` (rewards.compute_rewards)."""
     cfg = self.cfg.reward
     return rewards.compute_rewards(
       self.reward_fn,
@@ -197,6 +198,7 @@ class Run:
       sample_ids=sample_ids,
       max_abs=cfg.max_abs,
       pool=self.reward_pool,
+      kinds=kinds,
     )
 
   # ---------------------------------------------------------------------------- placement, seeds

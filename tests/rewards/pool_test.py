@@ -49,12 +49,19 @@ def test_a_spinning_reward_times_out_and_costs_only_its_sample():
   pool = RewardPool(by_completion, workers=2, timeout_s=0.5)
   try:
     t0 = time.monotonic()
+    kinds = {}
     values, failures = rewards.compute_rewards(
-      by_completion, ["1", "spin", "3", "boom"], RECORDS[:4], on_error="zero", pool=pool
+      by_completion,
+      ["1", "spin", "3", "boom"],
+      RECORDS[:4],
+      on_error="zero",
+      pool=pool,
+      kinds=kinds,
     )
     assert time.monotonic() - t0 < 20  # the timer, not the hard deadline, ended it
     np.testing.assert_array_equal(values, [1, 0, 1, 0])
     assert failures == 2 and pool.restarts == 0
+    assert kinds == {"timeout": 1, "exception": 1}  # counted apart
     pattern = r"sample 1 .*TimeoutError: the reward took longer than reward.timeout_s=0.5s"
     with pytest.raises(rewards.RewardError, match=pattern):
       rewards.compute_rewards(

@@ -113,6 +113,20 @@ def test_bad_return_values_are_failures(bad):
   assert failures == 1
 
 
+def test_failures_are_counted_by_kind():
+  def slow(completion, record):
+    if completion == "slow":
+      raise TimeoutError("the verifier gave up")
+    return _flaky(completion, record)
+
+  kinds = {}
+  completions = ["ok", "boom", "nan", "slow", "none", "boom"]
+  _, failures = rewards.compute_rewards(
+    slow, completions, _RECORDS * 2, on_error="zero", kinds=kinds
+  )
+  assert failures == 5 and kinds == {"exception": 2, "invalid": 2, "timeout": 1}
+
+
 def test_on_error_zero_counts_failures():
   values, failures = rewards.compute_rewards(
     _flaky, ["boom", "ok", "boom"], _RECORDS, on_error="zero"
