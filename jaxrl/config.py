@@ -35,7 +35,7 @@ from jaxrl.config_rl import (  # noqa: F401
 )
 from jaxrl.kernels import KERNELS, backend_problem
 from jaxrl.models.config import REMAT_POLICIES
-from jaxrl.registry import ADVANTAGES
+from jaxrl.registry import ADVANTAGES, REWARDS
 
 
 def config_module(path: str | os.PathLike) -> types.ModuleType:
@@ -511,6 +511,13 @@ def validate(cfg) -> Config:
     "reward.name",
     c.reward.name,
     f"one of {list(rewards.names())} (or a function registered with jaxrl.rewards.register)",
+  )
+  check(
+    c.reward.timeout_s > 0 or not REWARDS.traits(c.reward.name).get("unbounded"),
+    "reward.timeout_s",
+    c.reward.timeout_s,
+    f"> 0 with reward.name={c.reward.name!r}: it can run without bound on a pathological "
+    "completion (its own timeouts need the main thread), so it must score in worker processes",
   )
   check(
     not (c.task.chat and c.model.tokenizer == "byte"),

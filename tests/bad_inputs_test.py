@@ -280,6 +280,12 @@ for _what, _raw, _msg in [
     "config.reward.name='exact_mach' is invalid; allowed: one of [",
   ),
   (
+    "math-verify scored without a time limit",
+    {"reward": {"name": "math_verify"}},
+    "config.reward.timeout_s=0.0 is invalid; allowed: > 0 with reward.name='math_verify': it can "
+    "run without bound on a pathological completion",
+  ),
+  (
     "an unknown reward error policy",
     {"reward": {"on_error": "skip"}},
     "config.reward.on_error='skip' is invalid; allowed: ['raise', 'zero']",

@@ -6,6 +6,7 @@ import re
 from decimal import Decimal, InvalidOperation
 from typing import Any
 
+from jaxrl.registry import REWARDS
 from jaxrl.rewards import registry
 
 _NUMBER_RE = re.compile(r"[-+]?\$?(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?|[-+]?\$?\.\d+")
@@ -111,12 +112,14 @@ registry.register("math_answer")(gsm8k)
 # (about a second) and most runs never call it.
 if importlib.util.find_spec("math_verify") is not None:
 
-  @registry.register("math_verify")
+  @REWARDS.register("math_verify", unbounded=True)
   def math_verify_reward(completion: str, record: dict[str, Any]) -> float:
     """1.0 iff math-verify finds the completion's answer equivalent to `record["answer"]`.
 
     Timeouts are off (`parsing_timeout=None`, `timeout_seconds=None`): math-verify enforces
     them with signals, which only work in the main thread, and rewards may run in a pool.
+    Registered `unbounded`: sympy can work without end on a pathological answer, so a config
+    must score it in worker processes under reward.timeout_s (checked by config validation).
     """
     import math_verify
 
