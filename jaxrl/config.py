@@ -239,7 +239,8 @@ class EvalConfig:
     lo=0,
     help="also sample this many completions per held-out prompt at rl.sampling.temperature: "
     "eval/sampled_accuracy, the expected reward RL maximises (greedy accuracy can sit at its "
-    "ceiling while it still moves); 0 = off",
+    "ceiling while it still moves), and unbiased eval/pass@k for k = 1, 2, 4, ... and this "
+    "many (a pass: the full reward); 0 = off",
   )
 
 

@@ -1,5 +1,6 @@
 """Held-out evaluation through the rollout sampler: greedy accuracy, and sampled accuracy at the
-RL temperature (eval.num_samples per problem), plus the task's own breakdown if it has one."""
+RL temperature (eval.num_samples per problem) with unbiased pass@k, plus the task's own
+breakdown if it has one."""
 
 from __future__ import annotations
 
@@ -12,6 +13,25 @@ from jaxrl.rollout.types import Sampler
 # The run-seed part of the sampled evaluation's engine seed (RL rounds use (step, round)).
 EVAL_SEED = 2**31 - 1
 GREEDY = SamplingParams(temperature=0.0)
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+  """Unbiased pass@k of one problem from `n` samples of which `c` are correct:
+  1 - C(n - c, k) / C(n, k), the estimator of "Evaluating Large Language Models Trained on
+  Code" (Chen et al., 2021, arXiv:2107.03374), as a product (no huge binomials)."""
+  if not (0 <= c <= n and 1 <= k <= n):
+    raise ValueError(f"pass@k needs 0 <= c <= n and 1 <= k <= n, got n={n}, c={c}, k={k}")
+  if n - c < k:
+    return 1.0
+  return float(1.0 - np.prod(1.0 - k / np.arange(n - c + 1, n + 1, dtype=np.float64)))
+
+
+def pass_at_ks(correct: np.ndarray) -> dict[int, float]:
+  """Mean pass@k over problems for k = 1, 2, 4, ... and n, from a [problems, n] bool array."""
+  n = correct.shape[1]
+  ks = sorted({*(2**i for i in range(n.bit_length()) if 2**i <= n), n})
+  counts = correct.sum(axis=1)
+  return {k: float(np.mean([pass_at_k(n, int(c), k) for c in counts])) for k in ks}
 
 
 class Evaluator:
@@ -43,4 +63,7 @@ class Evaluator:
       texts = run.completions(out.tokens, out.lengths)
       r, _ = run.score(texts, [rec for rec in recs for _ in range(k)])
       ev["eval/sampled_accuracy"] = float(np.mean(r))
+      # A sample is correct when it earns the full reward (1.0; partial credit is not a pass).
+      for kk, v in pass_at_ks(np.asarray(r).reshape(len(recs), k) >= 1.0).items():
+        ev[f"eval/pass@{kk}"] = v
     return ev

@@ -136,6 +136,20 @@ def test_evaluation_builds_no_optimizer_or_teacher_and_repeats_the_runs_eval(tra
     assert result[key] == logged[key], key
 
 
+def test_evaluation_of_the_initial_model_reports_pass_at_k(trained):
+  """--phase=init evaluates the model as built (no checkpoint read); --samples=N adds sampled
+  accuracy and pass@1..N, pass@1 being the sampled accuracy of a pass/fail reward."""
+  from launch.evaluate import evaluate, table
+
+  c, _, _ = trained
+  result = evaluate(c, phase="init", samples=4)
+  assert (result["phase"], result["step"]) == ("init", 0)
+  passes = [result[f"eval/pass@{k}"] for k in (1, 2, 4)]
+  assert passes[0] == pytest.approx(result["eval/sampled_accuracy"])
+  assert passes == sorted(passes) and 0.0 <= passes[0] and passes[-1] <= 1.0
+  assert "| eval/pass@4 |" in table(result)
+
+
 def test_rl_metrics_sum_engine_counters_over_dynamic_sampling_rounds(tmp_path):
   """rollout/* counters cover every sampling round of a step, not the last one only."""
   from jaxrl import rewards
