@@ -267,6 +267,15 @@ class GuardConfig:
 class LogConfig:
   progress: bool = _field(True, help="progress bars on stderr")
   tensorboard: bool = _field(True, help="also write TensorBoard events under workdir/tb")
+  profile_steps: int = _field(
+    0,
+    lo=0,
+    help="trace this many RL steps with jax.profiler into workdir/profile (TensorBoard's "
+    "profile plugin or Perfetto reads it); 0 = off",
+  )
+  profile_from: int = _field(
+    2, lo=0, help="log.profile_steps > 0: the RL step the trace starts at (after the compiles)"
+  )
 
 
 @dataclasses.dataclass(frozen=True)

@@ -165,9 +165,17 @@ class Trainer:
     stop = rl.steps if until is None else min(until, rl.steps)
     progress = Progress(total=rl.steps, desc="rl", enabled=cfg.log.progress, initial=start)
     self.pipeline.start(start, it, self.state.policy.params, queued)
+    profile = range(cfg.log.profile_from, cfg.log.profile_from + cfg.log.profile_steps)
+    tracing = False
     try:
       for step in range(start, stop):
+        if profile and step == profile.start:
+          jax.profiler.start_trace(str(self.workdir / "profile"))
+          tracing = True
         m = self.rl_step(step)
+        if tracing and step == profile[-1]:
+          jax.profiler.stop_trace()  # rl_step fetched its metrics: the step's work is done
+          tracing = False
         done = step + 1
         if cfg.eval.every and done % cfg.eval.every == 0 or done == rl.steps:
           m.update(self.evaluate(self.state.policy.params))
@@ -184,6 +192,8 @@ class Trainer:
           self.rl_ckpt.wait()
           raise Preempted("RL", done, self.rl_ckpt.directory)
     finally:
+      if tracing:
+        jax.profiler.stop_trace()  # the run stopped inside the traced steps
       self.pipeline.close()
     progress.close()
     if stop == rl.steps and "accuracy_after_rl" not in self.summary:
@@ -270,7 +280,10 @@ class Trainer:
         panels=[
           ("SFT warm-start loss", ["sft/loss"]),
           ("RL reward (sampled, T = rl.sampling.temperature)", ["rl/reward_mean"]),
-          ("held-out accuracy (greedy)", ["eval/accuracy"]),
+          ("held-out accuracy", ["eval/accuracy", "eval/sampled_accuracy"]),
+          ("KL (to the reference; sampler vs learner)", ["rl/kl", "offpolicy/kl_k3"]),
+          ("response length (tokens)", ["rl/response_length", "eval/response_length"]),
+          ("seconds per RL step", ["time/rollout_s", "time/train_s"]),
         ],
       )
       s = self.summary

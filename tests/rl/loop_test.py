@@ -135,8 +135,21 @@ def test_run_writes_metrics_checkpoints_and_plot(run_with_spy):
   assert trainer.cfg.eval.num_samples == 2
   assert summary["sampled_accuracy_after_rl"] == rl[-1]["eval/sampled_accuracy"]
   assert 0 <= summary["sampled_accuracy_after_sft"] <= 1
+  # ... and pass@1 (= the sampled accuracy of a pass/fail reward) <= pass@2.
+  assert rl[-1]["eval/pass@1"] == pytest.approx(rl[-1]["eval/sampled_accuracy"])
+  assert rl[-1]["eval/pass@1"] <= rl[-1]["eval/pass@2"] <= 1
   assert trainer.rl_ckpt.latest_step() == 4
   assert trainer.sft.ckpt.latest_step() == 10
+
+
+def test_profile_traces_the_chosen_rl_steps(tmp_path):
+  cfg = _config(tmp_path, steps=3)
+  cfg = dataclasses.replace(cfg, log=dataclasses.replace(cfg.log, profile_steps=1, profile_from=1))
+  trainer = Trainer(cfg, log=lambda *_: None)
+  trainer.run()
+  trainer.close()
+  traces = list((tmp_path / "profile").glob("plugins/profile/*/*.xplane.pb"))
+  assert len(traces) == 1 and traces[0].stat().st_size > 0
 
 
 def test_sampled_accuracy_at_a_vanishing_temperature_is_the_greedy_one(run_with_spy):
