@@ -267,6 +267,9 @@ class GuardConfig:
 class LogConfig:
   progress: bool = _field(True, help="progress bars on stderr")
   tensorboard: bool = _field(True, help="also write TensorBoard events under workdir/tb")
+  wandb_project: str = _field(
+    "", help="also log to this Weights & Biases project (needs `pip install wandb`); '' = off"
+  )
   profile_steps: int = _field(
     0,
     lo=0,
@@ -493,6 +496,12 @@ def validate(cfg) -> Config:
     f"> distill.align_low = {d.align_low}",
   )
   check(c.workdir.strip() != "", "workdir", c.workdir, "a directory for the run's outputs")
+  check(
+    not c.log.wandb_project or importlib.util.find_spec("wandb") is not None,
+    "log.wandb_project",
+    c.log.wandb_project,
+    "'' unless the wandb package is installed (pip install wandb)",
+  )
   check(
     set(c.task.ops) <= set("+-*") and c.task.ops != "", "task.ops", c.task.ops, "chars of '+-*'"
   )

@@ -81,8 +81,14 @@ class MetricsWriter:
     *,
     use_tensorboard: bool = True,
     enabled: bool | None = None,
+    wandb_project: str = "",
+    wandb_config: Mapping[str, Any] | None = None,
   ):
     self.workdir = Path(workdir)
+    # Weights & Biases (optional): one W&B run per workdir, resumed by the id kept beside the
+    # metrics. W&B drops a step lower than one it has seen: steps re-run after a kill appear
+    # once, from the earlier try (metrics.jsonl and TensorBoard hold the re-run's values).
+    self.wandb_project, self.wandb_config, self._wandb = wandb_project, wandb_config, None
     self.path = self.workdir / "metrics.jsonl"
     self.enabled = jax.process_index() == 0 if enabled is None else enabled
     self.use_tensorboard = use_tensorboard
@@ -112,7 +118,31 @@ class MetricsWriter:
     self._file.write(json.dumps(record) + "\n")
     if self.use_tensorboard:
       self._write_tensorboard(record)
+    if self.wandb_project:
+      self._write_wandb(record)
     return record
+
+  def _write_wandb(self, record: dict) -> None:
+    if self._wandb is None:
+      import wandb  # optional: config validation checked it is installed
+
+      id_file = self.workdir / "wandb_id.txt"
+      run_id = id_file.read_text().strip() if id_file.exists() else wandb.util.generate_id()
+      id_file.write_text(run_id + "\n")
+      self._wandb = wandb.init(
+        project=self.wandb_project,
+        id=run_id,
+        resume="allow",
+        name=self.workdir.name,
+        dir=str(self.workdir),
+        config=dict(self.wandb_config or {}),
+      )
+    scalars = {
+      k: float(v)
+      for k, v in record.items()
+      if k not in _RESERVED and k != "global_step" and isinstance(v, bool | int | float)
+    }
+    self._wandb.log(scalars, step=int(record.get("global_step", record["step"])))
 
   def _write_tensorboard(self, record: dict) -> None:
     if self._tb is None:
@@ -179,6 +209,9 @@ class MetricsWriter:
     if self._tb is not None:
       self._tb.close()
       self._tb = None
+    if self._wandb is not None:
+      self._wandb.finish()
+      self._wandb = None
 
   def __enter__(self) -> MetricsWriter:
     return self

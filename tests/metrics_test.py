@@ -185,3 +185,50 @@ def test_rerun_steps_are_hidden_from_tensorboard_after_a_restart(tmp_path):
     assert w.truncate_after("rl", 5) == 0
     w.write(5, {"rl/reward_mean": 5.0, "global_step": 25})
   assert not any(e.HasField("session_log") for e in _tb_events(tmp_path / "tb")[n:])
+
+
+def test_wandb_logs_every_record_and_resumes_the_same_run(tmp_path, monkeypatch):
+  """log.wandb_project: records go to W&B at their global step, numbers only; a writer opened
+  again on the workdir resumes the same W&B run (its id is kept beside metrics.jsonl)."""
+  import sys
+  import types
+
+  calls = []
+
+  class FakeRun:
+    def log(self, data, step):
+      calls.append(("log", data, step))
+
+    def finish(self):
+      calls.append(("finish",))
+
+  def init(**kwargs):
+    calls.append(("init", kwargs))
+    return FakeRun()
+
+  ids = iter(["run-a", "run-b"])
+  fake = types.SimpleNamespace(init=init, util=types.SimpleNamespace(generate_id=lambda: next(ids)))
+  monkeypatch.setitem(sys.modules, "wandb", fake)
+  for _ in range(2):
+    with MetricsWriter(
+      tmp_path, use_tensorboard=False, wandb_project="p", wandb_config={"a": 1}
+    ) as w:
+      w.write(3, {"rl/loss": 0.5, "note": "text", "global_step": 13}, phase="rl")
+  inits = [c[1] for c in calls if c[0] == "init"]
+  assert [i["id"] for i in inits] == ["run-a", "run-a"] and inits[0]["project"] == "p"
+  assert inits[0]["resume"] == "allow" and inits[0]["config"] == {"a": 1}
+  assert [c for c in calls if c[0] == "log"] == [("log", {"rl/loss": 0.5}, 13)] * 2
+  assert sum(c[0] == "finish" for c in calls) == 2
+
+
+def test_wandb_without_the_package_is_a_config_error(monkeypatch):
+  import importlib.util
+
+  from jaxrl.config import ConfigError, validate
+
+  real = importlib.util.find_spec
+  monkeypatch.setattr(
+    importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a)
+  )
+  with pytest.raises(ConfigError, match=r"config\.log\.wandb_project='p' is invalid; allowed: ''"):
+    validate({"log": {"wandb_project": "p"}})

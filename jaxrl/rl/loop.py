@@ -25,6 +25,7 @@ bit for bit on CPU.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from pathlib import Path
@@ -77,7 +78,12 @@ class Trainer:
     self.workdir = run.workdir
     self.sampler = build_sampler(run)  # evaluation's, and the rounds' when colocated
     self.evaluate = Evaluator(run, self.sampler)
-    self.metrics = MetricsWriter(run.workdir, use_tensorboard=cfg.log.tensorboard)
+    self.metrics = MetricsWriter(
+      run.workdir,
+      use_tensorboard=cfg.log.tensorboard,
+      wandb_project=cfg.log.wandb_project,
+      wandb_config=dataclasses.asdict(cfg),
+    )
     self.sft = SFTPhase(run, evaluate=self.evaluate, metrics=self.metrics, log=log)
     temperature = self.sampler.sampling.logprob_temperature
     self.teacher = None
