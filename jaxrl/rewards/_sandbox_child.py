@@ -49,6 +49,12 @@ _PATH_EVENTS = {"os.remove", "os.rename", "os.rmdir", "os.mkdir", "os.chmod", "o
 
 
 _MS_RDONLY, _MS_REMOUNT, _MS_BIND = 1, 32, 4096
+# Imported before the uid drop where the standard library may be unreadable to that uid (an
+# interpreter under /root) and no mount namespace can bind it elsewhere.
+_PRELOADED = (
+  "bisect", "collections", "copy", "dataclasses", "decimal", "fractions", "functools", "heapq",
+  "itertools", "math", "operator", "random", "re", "statistics", "string", "typing",
+)  # fmt: skip
 
 
 def _mount_private(size_mb: int) -> None:
@@ -141,6 +147,9 @@ def _setup() -> tuple[dict, str, str]:
   os.makedirs(workdir, mode=0o700, exist_ok=True)
   if spec["uid"] is not None:
     os.chown(workdir, spec["uid"], spec["uid"])
+    if not spec["mount"]:  # no bound copy of the standard library: import what programs use
+      for name in _PRELOADED:
+        __import__(name)
   return spec, source, workdir
 
 

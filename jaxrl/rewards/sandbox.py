@@ -12,7 +12,8 @@ it in besides depends on what the host allows (`isolation()`):
   and UTS namespaces. Started by root, the program also drops to an unprivileged uid of its own
   (so the file system outside its tmpfs is read-only to it and the process limit holds); started
   by a normal user, a user namespace maps it to root inside, which can write what that user can.
-- "limits": resource limits only, where `unshare` is missing or refused (some containers).
+- "limits": resource limits only, where `unshare` is missing or refused (some containers);
+  started by root, the program still drops to an unprivileged uid of its own.
 
 In both, an audit hook (PEP 578) in the interpreter refuses sockets, new processes, ctypes and
 writes outside the working directory before the program's first line: the only fence in
@@ -208,7 +209,10 @@ def run(
       "mount": mode == "namespaces",
       "tmpfs_mb": max(4 * limits.file_size_mb, 16),
       "workdir": str(Path(tmp) / "work"),
-      "uid": _UID_BASE + (os.getpid() % 512) * _UIDS_PER_TRAINER + slot if drops_root else None,
+      # Root drops to an unprivileged uid of the slot's in either mode; a normal user cannot.
+      "uid": _UID_BASE + (os.getpid() % 512) * _UIDS_PER_TRAINER + slot
+      if drops_root or (mode == "limits" and os.geteuid() == 0)
+      else None,
       "cpu_s": limits.cpu_s,
       "memory_mb": limits.memory_mb,
       "file_size_mb": limits.file_size_mb,

@@ -162,8 +162,10 @@ def test_a_shell_cannot_touch_the_host(layer, tmp_path):
   assert not marker.exists()
   if layer == "namespaces_only":  # the shell runs, as an unprivileged uid in a private /tmp
     assert out.status == "ok" and "b'0\\n'" not in out.stdout
-  else:
-    assert out.status == "error" and "not allowed" in out.stderr
+  else:  # refused by the audit hook (or, root-started without namespaces, the module is not
+    # importable at all: the dropped uid cannot read a standard library under /root)
+    assert out.status == "error"
+    assert "not allowed" in out.stderr or "No module named 'subprocess'" in out.stderr
 
 
 def test_ctypes_is_refused_by_the_audit_hook():
