@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import hf_config_dict
 
 from jaxrl import rewards
 from jaxrl.checkpoint import Checkpointer, CheckpointError, UnreadableCheckpointError
@@ -677,18 +678,6 @@ def _(tmp):
 # -------------------------------------------------------------------- HF checkpoint directories
 
 
-def _hf_config(**kw) -> dict:
-  d = dict(
-    model_type="llama",
-    vocab_size=131,
-    hidden_size=48,
-    intermediate_size=82,
-    num_hidden_layers=2,
-    num_attention_heads=6,
-  )
-  return {**d, **kw}
-
-
 for _what, _kw, _msg in [
   (
     "an unsupported architecture",
@@ -721,7 +710,7 @@ for _what, _kw, _msg in [
       "HF checkpoint directories",
       _what,
       _msg,
-      lambda tmp, kw=_kw: hf.config_from_hf(_hf_config(**kw)),
+      lambda tmp, kw=_kw: hf.config_from_hf(hf_config_dict(**kw)),
       ValueError,
     )
   )
@@ -730,7 +719,7 @@ for _what, _kw, _msg in [
 def _hf_dir(tmp: Path, weights: bytes | None) -> Path:
   d = tmp / "hf"
   d.mkdir()
-  (d / "config.json").write_text(json.dumps(_hf_config()))
+  (d / "config.json").write_text(json.dumps(hf_config_dict()))
   if weights is not None:
     (d / "model.safetensors").write_bytes(weights)
   return d

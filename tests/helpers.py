@@ -135,3 +135,16 @@ def rl_metric_lines(workdir) -> list[dict]:
     if r["phase"] == "rl":
       out.append({k: v for k, v in r.items() if not k.startswith("time/")})
   return out
+
+
+def hf_config_dict(**kw) -> dict:
+  """A small Llama-layout HF config.json (as a dict), `kw` overriding fields."""
+  d = dict(
+    model_type="llama",
+    vocab_size=131,
+    hidden_size=48,
+    intermediate_size=82,
+    num_hidden_layers=2,
+    num_attention_heads=6,
+  )
+  return {**d, **kw}

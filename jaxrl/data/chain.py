@@ -20,7 +20,7 @@ from typing import Any, Literal
 import grain
 import numpy as np
 
-from jaxrl.data.stream import INDEX_SPACE, indexed_batches
+from jaxrl.data.stream import distinct_held_out, indexed_batches
 
 Record = dict[str, Any]
 Split = Literal["train", "held_out"]
@@ -122,20 +122,8 @@ class ChainSumTask:
 
   def held_out(self, n: int, seed: int = 0) -> list[Record]:
     """`n` distinct held-out problems drawn from the training distribution, fixed by `seed`."""
-    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-      raise ValueError(f"n must be a non-negative int, got {n!r}")
-    rng = np.random.default_rng([seed, INDEX_SPACE])
-    seen, records = set(), []
-    for _ in range(100 * n + _MAX_ATTEMPTS):
-      if len(records) == n:
-        break
-      r = self.sample(rng, split="held_out")
-      if r["prompt"] not in seen:
-        seen.add(r["prompt"])
-        records.append(r)
-    if len(records) < n:
-      raise ValueError(f"asked for n={n} held-out problems, found {len(records)} distinct ones")
-    return records
+    draw = lambda rng: self.sample(rng, split="held_out")
+    return distinct_held_out(draw, n, seed, max_attempts=_MAX_ATTEMPTS)
 
   def train_dataset(self, *, seed: int, batch_size: int) -> grain.IterDataset:
     """Batches (lists) of `batch_size` records; record i is drawn from default_rng([seed, i]),

@@ -84,3 +84,25 @@ def pooled_batches(records: list[dict], *, seed: int, batch_size: int) -> grain.
 
   dataset = grain.MapDataset.range(INDEX_SPACE).map(make_record).batch(batch_size, batch_fn=list)
   return dataset.to_iter_dataset(grain.ReadOptions(num_threads=0, prefetch_buffer_size=0))
+
+
+def distinct_held_out(
+  draw: Callable[[np.random.Generator], dict], n: int, seed: int, *, max_attempts: int
+) -> list[dict]:
+  """`n` held-out records with distinct prompts, `draw(rng)` giving one at a time from
+  default_rng([seed, INDEX_SPACE]) (an index no training record uses), so they are fixed by
+  `seed`. Raises when fewer than `n` distinct ones turn up in 100 n + `max_attempts` draws."""
+  if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+    raise ValueError(f"n must be a non-negative int, got {n!r}")
+  rng = np.random.default_rng([seed, INDEX_SPACE])
+  seen, records = set(), []
+  for _ in range(100 * n + max_attempts):
+    if len(records) == n:
+      break
+    r = draw(rng)
+    if r["prompt"] not in seen:
+      seen.add(r["prompt"])
+      records.append(r)
+  if len(records) < n:
+    raise ValueError(f"asked for n={n} held-out problems, found {len(records)} distinct ones")
+  return records

@@ -8,7 +8,7 @@ import pytest
 import torch
 import transformers
 from flax import nnx
-from helpers import apply, graphdef_of
+from helpers import apply, graphdef_of, hf_config_dict
 from jax.sharding import PartitionSpec as P
 from safetensors.numpy import load_file, save_file
 
@@ -161,19 +161,6 @@ def test_sharded_load_places_each_param_and_matches_single_device(tmp_path):
   )
 
 
-def _base_config(**kw):
-  d = dict(
-    model_type="llama",
-    vocab_size=131,
-    hidden_size=48,
-    intermediate_size=82,
-    num_hidden_layers=2,
-    num_attention_heads=6,
-  )
-  d.update(kw)
-  return d
-
-
 @pytest.mark.parametrize(
   "kw, match",
   [
@@ -190,14 +177,14 @@ def _base_config(**kw):
 )
 def test_bad_hf_config_names_field(kw, match):
   with pytest.raises(ValueError, match=match):
-    hf.config_from_hf(_base_config(**kw))
+    hf.config_from_hf(hf_config_dict(**kw))
 
 
 def test_config_from_hf_reads_old_and_new_rope_layouts():
   # transformers < 5: theta at the top level, the scaling dict under `rope_scaling`.
   scaling = {k: v for k, v in _LLAMA3_ROPE.items() if k != "rope_theta"}
-  old = hf.config_from_hf(_base_config(rope_theta=5e5, rope_scaling=scaling))
-  new = hf.config_from_hf(_base_config(rope_parameters={**_LLAMA3_ROPE, "rope_theta": 5e5}))
+  old = hf.config_from_hf(hf_config_dict(rope_theta=5e5, rope_scaling=scaling))
+  new = hf.config_from_hf(hf_config_dict(rope_parameters={**_LLAMA3_ROPE, "rope_theta": 5e5}))
   assert old == new and old.rope_theta == 5e5 and old.rope_scaling.original_max_position == 16
   assert hf.config_from_hf(hf.config_to_hf(new)) == new
 
@@ -637,7 +624,7 @@ def test_moe_hub_configs_match_presets_and_round_trip(hub, preset):
 )
 def test_bad_moe_hf_config_names_field(kw, match):
   with pytest.raises(ValueError, match=match):
-    hf.config_from_hf(_base_config(**kw))
+    hf.config_from_hf(hf_config_dict(**kw))
 
 
 @pytest.mark.parametrize(
