@@ -10,8 +10,10 @@ Launch:
   bash launch/train.sh --config=configs/grpo_code.py:smoke      # about a minute
 
 Every completion is a process: ~30-60 ms each on a 2-core CPU, `reward.sandbox.workers` at a
-time, so a step of 64 x 8 samples spends ~10 s scoring. Expected results: see docs/results.md
-("Code task"); ':smoke' only checks that everything moves.
+time, so a step of 64 x 8 samples spends ~10 s scoring. Expected (docs/results.md, "The code
+task", seed 0 only, not a claim over seeds): held-out 0.969 after the warm-start, with a training
+reward of ~1.0 from the first RL step: GRPO has little left to do on this task. ':smoke' only
+checks that everything moves.
 """
 
 from pathlib import Path
