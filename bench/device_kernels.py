@@ -16,6 +16,17 @@ grouped matmul (`grouped_matmul`, pallas_gpu / pallas_tpu) in bf16 at a Qwen-MoE
 `jax.lax.ragged_dot`. A case whose kernel fails to compile is recorded with its error and the
 script goes on to the next (the exit status says so). The JSON records the device, jax version,
 date and per-case medians; docs/benchmarks.md takes them.
+
+Around the kernels: the device's copy bandwidth (a bf16 array read and written once; the roofline
+the decode rows are set against) and whole-model decode at a Llama-3.2-1B shape in bf16 (random
+weights, 64 rows): the v0 sampler's time per decode step against the bytes one step must read
+(weights + the KV cache), and the continuous-batching engine with the reference and the Pallas
+paged attention. Every case runs on its own: one that fails is recorded with its error and the
+rest go on; the JSON is rewritten after every case, so a run cut short keeps what it measured.
+
+  python bench/device_kernels.py --smoke     # here, on a CPU: every case through the Pallas
+                                             # interpreter at toy shapes (checks the script, not
+                                             # the kernels' speed; writes no results file)
 """
 
 from __future__ import annotations
@@ -24,6 +35,7 @@ import argparse
 import datetime
 import json
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -37,6 +49,7 @@ from _common import median_seconds as _time  # noqa: E402
 from jaxrl.kernels.grouped_matmul import grouped_matmul  # noqa: E402
 from jaxrl.kernels.paged_attention import PagedKV, paged_attention  # noqa: E402
 from jaxrl.kernels.quant_matmul import quant_matmul, resolve_impl  # noqa: E402
+from jaxrl.models.config import ModelConfig  # noqa: E402
 from jaxrl.quant import quantize, quantize_activations  # noqa: E402
 
 CASES = {
@@ -44,81 +57,290 @@ CASES = {
   "w8a8_e4m3": (jnp.float8_e4m3fn, jnp.float8_e4m3fn),
   "w8a16_bf16_e4m3": (jnp.bfloat16, jnp.float8_e4m3fn),
 }
+# Largest relative error against the reference, by case (prefix): int8 accumulates exactly; bf16
+# outputs (attention, grouped matmul) round differently from the reference (2**-8 relative).
+COPIES = 16  # distinct operand sets per timing (_device_seconds): 8 x 16 MiB > the 60 MB L2
+TOL = {"w8a8_int8": 0.0, "paged_attention": 1e-2, "grouped_matmul": 1e-2}
 
 
-def paged_rows(impl: str, reps: int) -> list[dict]:
+class Run:
+  """The rows measured so far, rewritten to `out` after each case; `case` isolates failures."""
+
+  def __init__(self, out: Path | None, meta: dict):
+    self.out, self.meta, self.rows = out, meta, []
+
+  def save(self) -> None:
+    if self.out is not None:
+      self.out.parent.mkdir(parents=True, exist_ok=True)
+      self.out.write_text(json.dumps(self.meta | {"rows": self.rows}, indent=1) + "\n")
+
+  def case(self, name: str, fn, **fields) -> dict:
+    row = {"case": name, **fields}
+    t0 = time.perf_counter()
+    try:
+      row |= fn()
+    except Exception as err:  # noqa: BLE001  (a device run records what failed, then goes on)
+      row["error"] = f"{type(err).__name__}: {err}"[:3000]
+      print(f"{name:26s} FAILED: {row['error'][:600]}", flush=True)
+    row["case_wall_s"] = round(time.perf_counter() - t0, 2)
+    self.rows.append(row)
+    self.save()
+    return row
+
+  def bad(self) -> list[dict]:
+    def tol(r):
+      return next((v for k, v in TOL.items() if r["case"].startswith(k)), 1e-3)
+
+    return [r for r in self.rows if "error" in r or r.get("max_rel_err_vs_reference", 0) > tol(r)]
+
+
+def _device_seconds(f, arg_sets, reps: int) -> float:
+  """Device seconds per call of f, host dispatch excluded: one jitted program calls f on each of
+  the first half of `arg_sets`, another on all of them (distinct operands, so no call is merged
+  with another, and together larger than the L2, so no call finds its weights cached); the
+  difference of their median times over the extra calls. A decode-shape kernel takes a few
+  microseconds; timing it call by call from the host measures the dispatch (~50 us here)."""
+  half = len(arg_sets) // 2
+
+  def program(sets):
+    return jax.jit(
+      lambda *flat: [f(*flat[i : i + len(sets[0])]) for i in range(0, len(flat), len(sets[0]))]
+    )
+
+  small, big = program(arg_sets[:half]), program(arg_sets)
+  flat_small = [a for args in arg_sets[:half] for a in args]
+  flat_big = [a for args in arg_sets for a in args]
+  t_small = _time(small, *flat_small, reps=reps)
+  t_big = _time(big, *flat_big, reps=reps)
+  return max(t_big - t_small, 1e-9) / (len(arg_sets) - half)  # noise can make it <= 0 on a CPU
+
+
+def _rel_err(got, want) -> float:
+  got, want = (np.asarray(jnp.asarray(a).astype(jnp.float32)) for a in (got, want))
+  return float(np.abs(got - want).max() / max(np.abs(want).max(), 1e-30))
+
+
+def _compare(kern, ref, arg_sets, reps: int) -> dict:
+  """Error of kern against ref on the first argument set, then both timed over all of them."""
+  row = {"max_rel_err_vs_reference": _rel_err(kern(*arg_sets[0]), ref(*arg_sets[0]))}
+  row["kernel_s"] = _device_seconds(kern, arg_sets, reps)
+  row["reference_s"] = _device_seconds(ref, arg_sets, reps)
+  row["kernel_vs_reference"] = row["reference_s"] / row["kernel_s"]
+  return row
+
+
+def _show(row: dict, extra: str = "") -> None:
+  if "error" not in row and "kernel_s" in row:
+    print(
+      f"{row['case']:26s} err {row['max_rel_err_vs_reference']:.2e}  kernel "
+      f"{row['kernel_s'] * 1e6:9.1f} us  reference {row['reference_s'] * 1e6:9.1f} us  "
+      f"({row['kernel_vs_reference']:.2f}x){extra}",
+      flush=True,
+    )
+
+
+def matmul_cases(run: Run, impl: str, k: int, n: int, ms, configs, reps: int, interpret: bool):
+  """quant_matmul (each CASES format, each (block, launch) config) vs its reference and a bf16
+  jnp.dot, per M; both also against the float32 product of the dequantized operands (which of
+  the two accumulates less precisely). Each timing cycles over `COPIES` weights (L2 misses)."""
+  rng = np.random.default_rng(0)
+  copies = 2 if interpret else COPIES
+  w32s = [jnp.asarray(rng.normal(size=(k, n)).astype(np.float32)) for _ in range(copies)]
+  bf16 = jax.jit(lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32))
+  exact = jax.jit(lambda a, b: jnp.dot(a, b, precision="highest"))
+  for m in ms:
+    x32 = jnp.asarray(rng.normal(size=(m, k)).astype(np.float32))
+    xb = x32.astype(jnp.bfloat16)
+    t_bf16 = _device_seconds(bf16, [(xb, w.astype(jnp.bfloat16)) for w in w32s], reps)
+    for case, (x_dtype, w_dtype) in CASES.items():
+      qs = [quantize(w, 1, w_dtype) for w in w32s]
+      if jnp.dtype(x_dtype).itemsize == 1:
+        xq, xs = quantize_activations(x32, (1,), x_dtype)
+        x_deq = xq.astype(jnp.float32) * xs.reshape(m, 1)
+      else:
+        xq, xs = x32.astype(x_dtype), None
+        x_deq = xq.astype(jnp.float32)
+      want = exact(x_deq, qs[0].values.astype(jnp.float32) * qs[0].scale.reshape(1, n))
+      sets = [(xq, q.values, q.scale, xs) for q in qs]
+      for block, launch in configs:
+
+        def one(block=block, launch=launch, sets=sets, want=want, t_bf16=t_bf16):
+          kern = jax.jit(
+            lambda a, b, c, d: quant_matmul(
+              a, b, c, d, impl=impl, block=block, interpret=interpret, launch=launch
+            )
+          )
+          ref = jax.jit(lambda a, b, c, d: quant_matmul(a, b, c, d, impl="reference"))
+          row = _compare(kern, ref, sets, reps)
+          row["kernel_rel_err_vs_f32"] = _rel_err(kern(*sets[0]), want)
+          row["reference_rel_err_vs_f32"] = _rel_err(ref(*sets[0]), want)
+          return row | {"bf16_dot_s": t_bf16, "kernel_vs_bf16": t_bf16 / row["kernel_s"]}
+
+        cfg = {"block": list(block), "launch": None if launch is None else list(launch)}
+        row = run.case(case, one, m=m, k=k, n=n, **cfg)
+        _show(
+          row,
+          f"  bf16 dot {t_bf16 * 1e6:.1f} us (bf16 / kernel {row.get('kernel_vs_bf16', 0):.2f}x)"
+          f"  block {block} launch {launch}  vs f32: kernel "
+          f"{row.get('kernel_rel_err_vs_f32', -1):.1e} "
+          f"reference {row.get('reference_rel_err_vs_f32', -1):.1e}",
+        )
+
+
+def paged_cases(run: Run, impl: str, shape: dict, reps: int, interpret: bool):
   """One decode step of paged attention through `impl` vs the reference, bf16 and fp8 pages."""
-  b, n, kh, h, ps, m = 64, 32, 8, 128, 16, 128
+  b, n, kh, h, ps, m = (shape[key] for key in ("b", "n", "kh", "h", "ps", "m"))
   rng = np.random.default_rng(1)
   pages = b * m
   lengths = rng.integers(1, m * ps + 1, size=b).astype(np.int32)
   table = rng.permutation(pages).reshape(b, m).astype(np.int32)
-  q = jnp.asarray(rng.normal(size=(b, 1, n, h)), jnp.bfloat16)
+  copies = 2 if interpret else COPIES
+  qs = [jnp.asarray(rng.normal(size=(b, 1, n, h)), jnp.bfloat16) for _ in range(copies)]
   pos = jnp.asarray(lengths[:, None] - 1)
-  rows = []
   for kind in ("bf16", "fp8"):
-    k32, v32 = (rng.normal(size=(kh, pages, ps, h)).astype(np.float32) for _ in range(2))
-    if kind == "bf16":
-      kp, vp, ks, vs = jnp.asarray(k32, jnp.bfloat16), jnp.asarray(v32, jnp.bfloat16), None, None
-    else:
-      ks = vs = jnp.full((kh,), 8.0 / 448.0, jnp.float32)
-      kp = jnp.asarray(np.clip(k32 / (8.0 / 448.0), -448, 448), jnp.float8_e4m3fn)
-      vp = jnp.asarray(np.clip(v32 / (8.0 / 448.0), -448, 448), jnp.float8_e4m3fn)
-    cache = PagedKV(kp, vp, jnp.asarray(table), jnp.asarray(lengths), ks, vs)
-    kern = jax.jit(lambda q, c: paged_attention(q, c, pos, impl=impl))
-    ref = jax.jit(lambda q, c: paged_attention(q, c, pos, impl="reference"))
-    got = np.asarray(kern(q, cache).astype(jnp.float32))
-    want = np.asarray(ref(q, cache).astype(jnp.float32))
-    row = {
-      "case": f"paged_attention_{kind}",
-      "max_rel_err_vs_reference": float(np.abs(got - want).max() / np.abs(want).max()),
-      "kernel_s": _time(kern, q, cache, reps=reps),
-      "reference_s": _time(ref, q, cache, reps=reps),
-    }
-    row["kernel_vs_reference"] = row["reference_s"] / row["kernel_s"]
+
+    def one(kind=kind):
+      k32, v32 = (rng.normal(size=(kh, pages, ps, h)).astype(np.float32) for _ in range(2))
+      if kind == "bf16":
+        kp, vp, ks, vs = jnp.asarray(k32, jnp.bfloat16), jnp.asarray(v32, jnp.bfloat16), None, None
+      else:
+        ks = vs = jnp.full((kh,), 8.0 / 448.0, jnp.float32)
+        kp, vp = (
+          jnp.asarray(np.clip(a / (8.0 / 448.0), -448, 448), jnp.float8_e4m3fn) for a in (k32, v32)
+        )
+      cache = PagedKV(kp, vp, jnp.asarray(table), jnp.asarray(lengths), ks, vs)
+      kern = jax.jit(lambda q, c: paged_attention(q, c, pos, impl=impl, interpret=interpret))
+      ref = jax.jit(lambda q, c: paged_attention(q, c, pos, impl="reference"))
+      return _compare(kern, ref, [(q, cache) for q in qs], reps)
+
+    _show(run.case(f"paged_attention_{kind}", one, **shape))
+
+
+def moe_cases(run: Run, impl: str, m: int, k: int, n: int, experts, reps: int, interpret: bool):
+  """The experts' grouped matmul through `impl` vs ragged_dot, bf16, uneven group sizes."""
+  rng = np.random.default_rng(2)
+  copies = 2 if interpret else COPIES
+  lhss = [jnp.asarray(rng.normal(size=(m, k)), jnp.bfloat16) for _ in range(copies)]
+  for e in experts:
+
+    def one(e=e):
+      share = rng.dirichlet(np.full(e, 0.5))  # skewed, some groups near empty
+      sizes = np.floor(share * m).astype(np.int32)
+      sizes[-1] += m - sizes.sum()
+      rhs = jnp.asarray(rng.normal(size=(e, k, n)) / np.sqrt(k), jnp.bfloat16)
+      kern = jax.jit(lambda a, b, g: grouped_matmul(a, b, g, impl=impl, interpret=interpret))
+      ref = jax.jit(lambda a, b, g: grouped_matmul(a, b, g, impl="reference"))
+      gs = jnp.asarray(sizes)
+      return _compare(kern, ref, [(lhs, rhs, gs) for lhs in lhss], reps)
+
+    _show(run.case(f"grouped_matmul_e{e}", one, m=m, k=k, n=n))
+
+
+def bandwidth_case(run: Run, mib: int, reps: int) -> float | None:
+  """Copy bandwidth, bytes read + written per second, the best of: a bf16 and a float32 array of
+  `mib` MiB scaled (x * 2), and a float32 x + y (two reads, one write)."""
+
+  def one():
+    out = {}
+    for name, dtype, fn, reads in (
+      ("bf16_scale", jnp.bfloat16, lambda a, b: a * 2, 1),
+      ("f32_scale", jnp.float32, lambda a, b: a * 2, 1),
+      ("f32_add", jnp.float32, lambda a, b: a + b, 2),
+    ):
+      x = jnp.ones((mib * 2**20 // jnp.dtype(dtype).itemsize,), dtype)
+      t = _time(jax.jit(fn), x, x + 1, reps=reps)
+      out[name] = (reads + 1) * x.nbytes / t
+    return {"variants_bytes_per_s": out, "bytes_per_s": max(out.values())}
+
+  row = run.case("copy_bandwidth", one, mib=mib)
+  if "error" in row:
+    return None
+  print(f"{'copy_bandwidth':26s} {row['variants_bytes_per_s']}", flush=True)
+  return row["bytes_per_s"]
+
+
+def decode_cases(run: Run, cfg, b: int, p: int, ns, bandwidth, kernels, interpret: bool, reps):
+  """Whole-model decode, greedy, random weights: the v0 sampler's seconds per decode step (the
+  difference of two generation lengths, so prefill cancels) against the bytes a step reads, and
+  the engine (all rows to the longer length) with each attention kernel in `kernels`."""
+  from jaxrl.models.transformer import make_model
+  from jaxrl.rollout.driver import Driver, Request
+  from jaxrl.rollout.engine import Engine
+  from jaxrl.rollout.reference import make_sampler, row_keys
+  from jaxrl.rollout.sampling import SamplingParams
+
+  greedy = SamplingParams(temperature=0.0)
+  graphdef, params = make_model(cfg, seed=0)
+  weight_bytes = sum(int(x.nbytes) for x in jax.tree.leaves(params))
+  prompts = np.random.default_rng(3).integers(3, cfg.vocab_size, (b, p), dtype=np.int32)
+  shape = {
+    "b": b,
+    "prompt": p,
+    "layers": cfg.num_layers,
+    "d": cfg.embed_dim,
+    "weight_bytes": weight_bytes,
+  }
+
+  def sampler():
+    times = {}
+    for n in ns:
+      sample = make_sampler(
+        graphdef, cfg, prompt_len=p, max_new_tokens=n, eos_id=-1, pad_id=0, sampling=greedy
+      )
+      args = (
+        jnp.asarray(prompts),
+        jnp.ones((b, p), bool),
+        row_keys(jax.random.key(0), np.arange(b)),
+      )
+      times[n] = _time(lambda *a, s=sample: s(params, *a).tokens, *args, reps=reps)
+    lo, hi = min(ns), max(ns)
+    step = (times[hi] - times[lo]) / (hi - lo)
+    # The v0 cache holds p + hi positions for every row; a step reads all of them (upper bound).
+    kv = 2 * b * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * (p + hi) * 2
+    row = {"seconds": times, "s_per_step": step, "tokens_per_s": b / step, "kv_bytes": kv}
+    if bandwidth:
+      row["roofline_s_per_step"] = (weight_bytes + kv) / bandwidth
+      row["fraction_of_roofline"] = row["roofline_s_per_step"] / step
+    return row
+
+  row = run.case("sampler_decode", sampler, **shape)
+  if "error" not in row:
+    frac = row.get("fraction_of_roofline")
     print(
-      f"{row['case']:24s} err {row['max_rel_err_vs_reference']:.2e}  kernel "
-      f"{row['kernel_s'] * 1e6:9.1f} us  reference {row['reference_s'] * 1e6:9.1f} us  "
-      f"({row['kernel_vs_reference']:.2f}x)",
+      f"{'sampler_decode':26s} {row['s_per_step'] * 1e3:.3f} ms/step  "
+      f"{row['tokens_per_s']:.0f} tok/s  roofline fraction {frac}",
       flush=True,
     )
-    rows.append(row)
-  return rows
+  n = max(ns)
+  tokens = {}
+  for kernel in kernels:
 
-
-def moe_rows(impl: str, reps: int) -> list[dict]:
-  """The experts' grouped matmul through `impl` vs ragged_dot, bf16, uneven group sizes."""
-  m, k, n = 8192, 2048, 1408
-  rng = np.random.default_rng(2)
-  lhs = jnp.asarray(rng.normal(size=(m, k)), jnp.bfloat16)
-  rows = []
-  for e in (8, 64):
-    share = rng.dirichlet(np.full(e, 0.5))  # skewed, some groups near empty
-    sizes = np.floor(share * m).astype(np.int32)
-    sizes[-1] += m - sizes.sum()
-    rhs = jnp.asarray(rng.normal(size=(e, k, n)) / np.sqrt(k), jnp.bfloat16)
-    gs = jnp.asarray(sizes)
-    row = {"case": f"grouped_matmul_e{e}", "m": m, "k": k, "n": n}
-    try:
-      kern = jax.jit(lambda a, b, g: grouped_matmul(a, b, g, impl=impl))
-      ref = jax.jit(lambda a, b, g: grouped_matmul(a, b, g, impl="reference"))
-      got = np.asarray(kern(lhs, rhs, gs).astype(jnp.float32))
-      want = np.asarray(ref(lhs, rhs, gs).astype(jnp.float32))
-      row["max_rel_err_vs_reference"] = float(np.abs(got - want).max() / np.abs(want).max())
-      row["kernel_s"] = _time(kern, lhs, rhs, gs, reps=reps)
-      row["reference_s"] = _time(ref, lhs, rhs, gs, reps=reps)
-      row["kernel_vs_reference"] = row["reference_s"] / row["kernel_s"]
-      print(
-        f"{row['case']:24s} err {row['max_rel_err_vs_reference']:.2e}  kernel "
-        f"{row['kernel_s'] * 1e6:9.1f} us  ragged_dot {row['reference_s'] * 1e6:9.1f} us  "
-        f"({row['kernel_vs_reference']:.2f}x)",
-        flush=True,
+    def engine(kernel=kernel):
+      kcfg = cfg.replace(
+        attention_kernel=kernel, kernel_interpret=interpret and kernel != "reference"
       )
-    except Exception as err:  # noqa: BLE001  (a device run records what failed, then goes on)
-      row["error"] = f"{type(err).__name__}: {err}"[:2000]
-      print(f"{row['case']:24s} FAILED: {row['error'][:300]}", flush=True)
-    rows.append(row)
-  return rows
+      pages = -(-(p + n) // 16)
+      eng = Engine(kcfg, graphdef, max_concurrent_decodes=b, num_pages=b * pages,
+                   max_prefill_length=p, max_target_length=p + n)  # fmt: skip
+      driver = Driver(eng, steps_per_call=8, eos_id=None)
+      reqs = [Request(prompt=r.tolist(), request_id=i, sampling=greedy, max_new_tokens=n)
+              for i, r in enumerate(prompts)]  # fmt: skip
+      driver.run(params, reqs, seed=0)  # compile + warm-up
+      t0 = time.perf_counter()
+      out = driver.run(params, reqs, seed=0)
+      sec = time.perf_counter() - t0
+      toks = np.stack([c.tokens for c in sorted(out.finished, key=lambda c: c.request_id)])
+      tokens[kernel] = toks
+      row = {"seconds": sec, "tokens_per_s": b * n / sec}
+      if kernel != "reference" and "reference" in tokens:  # greedy; bf16 rounding may fork rows
+        row["token_agreement_vs_reference"] = float((toks == tokens["reference"]).mean())
+      return row
+
+    row = run.case(f"engine_decode_{kernel}", engine, new_tokens=n, **shape)
+    if "error" not in row:
+      print(
+        f"{row['case']:26s} {row['seconds']:.3f} s  {row['tokens_per_s']:.0f} tok/s", flush=True
+      )
 
 
 def main(argv=None) -> int:
@@ -127,72 +349,65 @@ def main(argv=None) -> int:
   ap.add_argument("--reps", type=int, default=20)
   ap.add_argument("--k", type=int, default=4096)
   ap.add_argument("--n", type=int, default=4096)
-  ap.add_argument("--block", default="128,128,128", help="bm,bn,bk")
+  ap.add_argument(
+    "--block",
+    default="128,128,128",
+    help="quant_matmul configs, ';'-separated: bm,bn,bk[,num_warps,num_stages] (Triton launch)",
+  )
+  ap.add_argument(
+    "--skip", default="", help="comma list of sections: matmul,paged,moe,bandwidth,decode"
+  )
+  ap.add_argument("--ms", default="64,4096", help="quant_matmul M (rows) values")
+  ap.add_argument("--smoke", action="store_true", help="CPU check of the script (see above)")
   args = ap.parse_args(argv)
+  skip = set(filter(None, args.skip.split(",")))
+  backend = jax.default_backend()
   impl = resolve_impl("auto")
-  if impl == "reference":
-    print(f"no kernel backend here ({jax.default_backend()}): run this on a GPU or TPU machine")
+  if impl == "reference" and not args.smoke:
+    print(f"no kernel backend here ({backend}): run this on a GPU or TPU machine (or --smoke)")
     return 2
-  block = tuple(int(b) for b in args.block.split(","))
-  rng = np.random.default_rng(0)
-  w32 = jnp.asarray(rng.normal(size=(args.k, args.n)).astype(np.float32))
-  rows = []
-  for m in (64, 4096):
-    x32 = jnp.asarray(rng.normal(size=(m, args.k)).astype(np.float32))
-    xb, wb = x32.astype(jnp.bfloat16), w32.astype(jnp.bfloat16)
-    bf16 = jax.jit(lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32))
-    t_bf16 = _time(bf16, xb, wb, reps=args.reps)
-    for case, (x_dtype, w_dtype) in CASES.items():
-      q = quantize(w32, 1, w_dtype)
-      if jnp.dtype(x_dtype).itemsize == 1:
-        xq, xs = quantize_activations(x32, (1,), x_dtype)
-      else:
-        xq, xs = x32.astype(x_dtype), None
-      kern = jax.jit(lambda a, b, c, d: quant_matmul(a, b, c, d, impl=impl, block=block))
-      ref = jax.jit(lambda a, b, c, d: quant_matmul(a, b, c, d, impl="reference"))
-      got, want = (
-        np.asarray(kern(xq, q.values, q.scale, xs)),
-        np.asarray(ref(xq, q.values, q.scale, xs)),
-      )
-      err = float(np.abs(got - want).max() / max(np.abs(want).max(), 1e-30))
-      row = {
-        "case": case,
-        "m": m,
-        "k": args.k,
-        "n": args.n,
-        "max_rel_err_vs_reference": err,
-        "kernel_s": _time(kern, xq, q.values, q.scale, xs, reps=args.reps),
-        "reference_s": _time(ref, xq, q.values, q.scale, xs, reps=args.reps),
-        "bf16_dot_s": t_bf16,
-      }
-      row["kernel_vs_bf16"] = row["bf16_dot_s"] / row["kernel_s"]
-      rows.append(row)
-      print(
-        f"{case:18s} M={m:5d}  err {err:.2e}  kernel {row['kernel_s'] * 1e6:9.1f} us  "
-        f"reference {row['reference_s'] * 1e6:9.1f} us  bf16 dot {t_bf16 * 1e6:9.1f} us  "
-        f"(bf16 / kernel {row['kernel_vs_bf16']:.2f}x)",
-        flush=True,
-      )
-  paged_impl = {"gpu": "pallas_gpu", "tpu": "pallas_tpu"}[jax.default_backend()]
-  rows += paged_rows(paged_impl, args.reps)
-  rows += moe_rows(paged_impl, args.reps)
-  record = {
+  if args.smoke:
+    impl, interpret, reps, out = "pallas_gpu", True, 1, None
+  else:
+    interpret, reps, out = False, args.reps, Path(args.out)
+  configs = []
+  for spec in args.block.split(";"):
+    nums = tuple(int(v) for v in spec.split(","))
+    if len(nums) not in (3, 5):
+      ap.error(f"--block entry {spec!r}: bm,bn,bk or bm,bn,bk,num_warps,num_stages")
+    configs.append((nums[:3], nums[3:] or None))
+  run = Run(out, {
     "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
     "device": str(jax.devices()[0].device_kind),
-    "backend": jax.default_backend(),
+    "backend": backend,
     "jax": jax.__version__,
     "impl": impl,
-    "block": block,
-    "rows": rows,
-  }
-  Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-  Path(args.out).write_text(json.dumps(record, indent=1) + "\n")
-  # bf16 attention outputs: the kernel and the reference round differently (2**-8 relative).
-  tol = {"w8a8_int8": 0.0, "paged_attention_bf16": 1e-2, "paged_attention_fp8": 1e-2}
-  tol |= {"grouped_matmul_e8": 1e-2, "grouped_matmul_e64": 1e-2}  # bf16 outputs
-  bad = [
-    r for r in rows if "error" in r or r["max_rel_err_vs_reference"] > tol.get(r["case"], 1e-3)
-  ]
+    "configs": configs,
+  })  # fmt: skip
+  print(f"{run.meta['device']} ({backend}), jax {jax.__version__}, kernels {impl}", flush=True)
+  smoke = args.smoke
+  if "matmul" not in skip:
+    k, n = (48, 40) if smoke else (args.k, args.n)
+    ms = (5,) if smoke else tuple(int(v) for v in args.ms.split(","))
+    matmul_cases(run, impl, k, n, ms, configs, reps, interpret)
+  if "paged" not in skip:
+    shape = (
+      dict(b=2, n=4, kh=2, h=16, ps=4, m=4)
+      if smoke
+      else dict(b=64, n=32, kh=8, h=128, ps=16, m=128)
+    )
+    paged_cases(run, impl, shape, reps, interpret)
+  if "moe" not in skip:
+    m, k, n, ex = (40, 32, 24, (3,)) if smoke else (8192, 2048, 1408, (8, 64))
+    moe_cases(run, impl, m, k, n, ex, reps, interpret)
+  bw = None if "bandwidth" in skip else bandwidth_case(run, 1 if smoke else 4096, reps)
+  if "decode" not in skip:
+    if smoke:
+      cfg, b, p, ns = ModelConfig.arith_small(32).replace(max_seq_len=64), 2, 8, (2, 4)
+    else:
+      cfg, b, p, ns = ModelConfig.llama3p2_1b().replace(max_seq_len=1024), 64, 128, (32, 160)
+    decode_cases(run, cfg, b, p, ns, bw, ("reference", impl), interpret, max(1, reps // 5))
+  bad = run.bad()
   if bad:
     print(f"FAILED or MISMATCH against the reference: {[(r['case'], r.get('m')) for r in bad]}")
     return 1

@@ -15,8 +15,10 @@ each program loads its tile's group span (the first group with rows in it and on
 last, from a table made before the call) and loops over those groups, each a loop over K in bk
 slices of lhs tile @ rhs[group]'s column block, keeping that group's rows; a tile no group
 reaches stays zero. Blocks are powers of two of at least 16 (`jaxrl.kernels.blocks`), the
-operands zero-padded to them. Both kernels are tested through the Pallas interpreter; `auto`
-picks pallas_tpu on a TPU, pallas_gpu on a GPU and `tiled` (below) elsewhere.
+operands zero-padded to them. Both kernels are tested through the Pallas interpreter; the Triton
+one also ran on an NVIDIA H200 (2026-12-04, docs/benchmarks.md: 1.8-2.8x `ragged_dot` over 8
+experts, 7.7-10.8x over 64). `auto` picks pallas_tpu on a TPU, pallas_gpu on a GPU and `tiled`
+(below) elsewhere.
 
 `tiled` is the same visit walk in plain jnp, for CPUs: the visits' row tiles and their groups'
 weights gathered into one batched matmul [V, bm, K] @ [V, K, N], each visit's rows outside its

@@ -90,7 +90,7 @@ def _pad(a, rows: int, cols: int):
   return a if not (r or c) else jnp.pad(a, ((0, r), (0, c)))
 
 
-def _pallas(x, w, w_scale, x_scale, *, impl, block, interpret):
+def _pallas(x, w, w_scale, x_scale, *, impl, block, interpret, launch=None):
   m, k = x.shape
   n = w.shape[1]
   if impl == "pallas_gpu":  # Triton: power-of-two blocks, >= 16 for tl.dot
@@ -131,6 +131,9 @@ def _pallas(x, w, w_scale, x_scale, *, impl, block, interpret):
       interpret=interpret,
     )(x, w, x_scale, w_scale)
   else:
+    from jax.experimental.pallas import triton as pltriton
+
+    warps, stages = launch or (None, None)
     y = pl.pallas_call(
       functools.partial(_gpu_kernel, bk=bk, acc=acc),
       grid=(mp // bm, np_ // bn),
@@ -142,6 +145,7 @@ def _pallas(x, w, w_scale, x_scale, *, impl, block, interpret):
       ],
       out_specs=pl.BlockSpec((bm, bn), lambda i, j: (i, j)),
       out_shape=out_shape,
+      compiler_params=pltriton.CompilerParams(num_warps=warps, num_stages=stages),
       interpret=interpret,
     )(x, w, x_scale, w_scale)
   return y[:m, :n]
@@ -157,15 +161,16 @@ def resolve_impl(impl: str) -> str:
   return {"tpu": "pallas_tpu", "gpu": "pallas_gpu"}.get(backend, "reference")
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
-def _quant_matmul(x, w, w_scale, x_scale, impl, block, interpret):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
+def _quant_matmul(x, w, w_scale, x_scale, impl, block, interpret, launch):
   if impl == "reference":
     return reference(x, w, w_scale, x_scale)
-  return _pallas(x, w, w_scale, x_scale, impl=impl, block=block, interpret=interpret)
+  return _pallas(x, w, w_scale, x_scale, impl=impl, block=block, interpret=interpret, launch=launch)
 
 
-def _fwd(x, w, w_scale, x_scale, impl, block, interpret):
-  return _quant_matmul(x, w, w_scale, x_scale, impl, block, interpret), (x, w, w_scale, x_scale)
+def _fwd(x, w, w_scale, x_scale, impl, block, interpret, launch):
+  y = _quant_matmul(x, w, w_scale, x_scale, impl, block, interpret, launch)
+  return y, (x, w, w_scale, x_scale)
 
 
 def _no_grad(a):
@@ -175,7 +180,7 @@ def _no_grad(a):
   return jnp.zeros_like(a)
 
 
-def _bwd(impl, block, interpret, res, dy):
+def _bwd(impl, block, interpret, launch, res, dy):
   x, w, w_scale, x_scale = res
   if jnp.dtype(x.dtype).itemsize > 1:  # W8A16: d/dx of (x @ w) * w_scale
     dx = ((dy * w_scale) @ w.astype(jnp.float32).T).astype(x.dtype)
@@ -196,12 +201,14 @@ def quant_matmul(
   impl: str = "auto",
   block: tuple[int, int, int] = (128, 128, 128),
   interpret: bool = False,
+  launch: tuple[int, int] | None = None,
 ) -> jax.Array:
   """float32 [M, N] = (x @ w) * x_scale * w_scale (see the module docstring).
 
   x [M, K]: int8 / fp8 codes with x_scale [M] or [M, 1] (W8A8), or float with x_scale None
   (W8A16). w [K, N] int8 / fp8, w_scale [N] or [1, N]. block = (bm, bn, bk), clipped to the
-  operands' sizes.
+  operands' sizes. launch = (num_warps, num_stages) of the Triton kernel (pallas_gpu; None:
+  Triton's defaults).
   """
   if x.ndim != 2 or w.ndim != 2 or x.shape[1] != w.shape[0]:
     raise ValueError(f"quant_matmul needs x [M, K] and w [K, N], got {x.shape} and {w.shape}")
@@ -215,4 +222,6 @@ def quant_matmul(
   m, n = x.shape[0], w.shape[1]
   x_scale = jnp.ones((m, 1), jnp.float32) if x_scale is None else x_scale.reshape(m, 1)
   w_scale = w_scale.reshape(1, n)
-  return _quant_matmul(x, w, w_scale, x_scale, resolve_impl(impl), tuple(block), interpret)
+  launch = None if launch is None else tuple(launch)
+  impl = resolve_impl(impl)
+  return _quant_matmul(x, w, w_scale, x_scale, impl, tuple(block), interpret, launch)

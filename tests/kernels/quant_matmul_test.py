@@ -3,6 +3,7 @@ variants (Mosaic TPU, Triton) through the Pallas interpreter against the referen
 and fp8 and W8A16, on shapes that do not divide the blocks; its custom VJP; its errors."""
 
 import jax
+import jax.extend.core
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -111,3 +112,38 @@ def test_auto_is_the_reference_on_cpu_and_bad_inputs_are_named():
     quant_matmul(x.astype(jnp.float8_e4m3fn), w, ws, xs)
   with pytest.raises(ValueError, match="8-bit weight"):
     quant_matmul(x.astype(jnp.float32), w.astype(jnp.float32), ws)
+
+
+def _pallas_params(fn, *args) -> dict:
+  """The params of the one pallas_call in fn's jaxpr (the custom VJP's forward inlined)."""
+  found = []
+
+  def walk(jaxpr):
+    for eqn in jaxpr.eqns:
+      if eqn.primitive.name == "pallas_call":
+        found.append(eqn.params)
+      for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+        walk(sub)
+
+  walk(jax.make_jaxpr(fn)(*args).jaxpr)
+  assert len(found) == 1, found
+  return found[0]
+
+
+def test_the_triton_launch_reaches_the_compiler_and_changes_nothing_else():
+  # launch = (num_warps, num_stages), the knob bench/device_kernels.py sweeps on a GPU; the
+  # interpreter ignores it, so the result is the same, but the call must carry it.
+  x, w, ws, xs = _operands("w8a8_e4m3")
+
+  def run(launch):
+    return lambda *a: quant_matmul(
+      *a, impl="pallas_gpu", block=BLOCK, interpret=True, launch=launch
+    )
+
+  params = _pallas_params(run((8, 3)), x, w, ws, xs).get("compiler_params")
+  assert (params.num_warps, params.num_stages) == (8, 3)
+  default = _pallas_params(run(None), x, w, ws, xs)["compiler_params"]
+  assert (default.num_warps, default.num_stages) == (None, None)
+  np.testing.assert_array_equal(
+    np.asarray(run((8, 3))(x, w, ws, xs)), np.asarray(run(None)(x, w, ws, xs))
+  )
