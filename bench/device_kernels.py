@@ -50,7 +50,7 @@ from jaxrl.kernels.grouped_matmul import grouped_matmul  # noqa: E402
 from jaxrl.kernels.paged_attention import PagedKV, paged_attention  # noqa: E402
 from jaxrl.kernels.quant_matmul import quant_matmul, resolve_impl  # noqa: E402
 from jaxrl.models.config import ModelConfig  # noqa: E402
-from jaxrl.quant import quantize, quantize_activations  # noqa: E402
+from jaxrl.quant import quantize, quantize_activations, quantize_params  # noqa: E402
 
 CASES = {
   "w8a8_int8": (jnp.int8, jnp.int8),
@@ -259,10 +259,14 @@ def bandwidth_case(run: Run, mib: int, reps: int) -> float | None:
   return row["bytes_per_s"]
 
 
-def decode_cases(run: Run, cfg, b: int, p: int, ns, bandwidth, kernels, interpret: bool, reps):
+def decode_cases(
+  run: Run, cfg, b: int, p: int, ns, bandwidth, kernels, interpret: bool, reps, quant=(), skip=()
+):
   """Whole-model decode, greedy, random weights: the v0 sampler's seconds per decode step (the
   difference of two generation lengths, so prefill cancels) against the bytes a step reads, and
-  the engine (all rows to the longer length) with each attention kernel in `kernels`."""
+  the same with the projections quantized (`quant`: (quantize_params mode, matmul_kernel)
+  pairs), and the engine (all rows to the longer length) with each attention kernel in
+  `kernels`."""
   from jaxrl.models.transformer import make_model
   from jaxrl.rollout.driver import Driver, Request
   from jaxrl.rollout.engine import Engine
@@ -281,7 +285,7 @@ def decode_cases(run: Run, cfg, b: int, p: int, ns, bandwidth, kernels, interpre
     "weight_bytes": weight_bytes,
   }
 
-  def sampler():
+  def sampler(params=params, cfg=cfg):
     times = {}
     for n in ns:
       sample = make_sampler(
@@ -297,20 +301,41 @@ def decode_cases(run: Run, cfg, b: int, p: int, ns, bandwidth, kernels, interpre
     step = (times[hi] - times[lo]) / (hi - lo)
     # The v0 cache holds p + hi positions for every row; a step reads all of them (upper bound).
     kv = 2 * b * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * (p + hi) * 2
+    wb = sum(int(x.nbytes) for x in jax.tree.leaves(params))
     row = {"seconds": times, "s_per_step": step, "tokens_per_s": b / step, "kv_bytes": kv}
+    row["step_weight_bytes"] = wb
     if bandwidth:
-      row["roofline_s_per_step"] = (weight_bytes + kv) / bandwidth
+      row["roofline_s_per_step"] = (wb + kv) / bandwidth
       row["fraction_of_roofline"] = row["roofline_s_per_step"] / step
     return row
 
-  row = run.case("sampler_decode", sampler, **shape)
-  if "error" not in row:
+  base = None
+  for mode, kernel in [(None, "reference"), *quant]:
+    name = "sampler_decode" + ("" if mode is None else f"_{mode}_{kernel}")
+
+    def one(mode=mode, kernel=kernel):
+      if mode is None:
+        return sampler()
+      qparams = jax.block_until_ready(jax.jit(lambda t: quantize_params(t, mode))(params))
+      kcfg = cfg.replace(matmul_kernel=kernel, kernel_interpret=interpret and kernel != "reference")
+      return sampler(qparams, kcfg)
+
+    row = run.case(name, one, **shape)
+    if "error" in row:
+      continue
+    if mode is None:
+      base = row["s_per_step"]
+    elif base:
+      row["bf16_step_over_this"] = base / row["s_per_step"]
+      run.save()
     frac = row.get("fraction_of_roofline")
     print(
-      f"{'sampler_decode':26s} {row['s_per_step'] * 1e3:.3f} ms/step  "
+      f"{name:26s} {row['s_per_step'] * 1e3:.3f} ms/step  "
       f"{row['tokens_per_s']:.0f} tok/s  roofline fraction {frac}",
       flush=True,
     )
+  if "engine" in skip:
+    return
   n = max(ns)
   tokens = {}
   for kernel in kernels:
@@ -355,9 +380,14 @@ def main(argv=None) -> int:
     help="quant_matmul configs, ';'-separated: bm,bn,bk[,num_warps,num_stages] (Triton launch)",
   )
   ap.add_argument(
-    "--skip", default="", help="comma list of sections: matmul,paged,moe,bandwidth,decode"
+    "--skip", default="", help="comma list of sections: matmul,paged,moe,bandwidth,decode,engine"
   )
   ap.add_argument("--ms", default="64,4096", help="quant_matmul M (rows) values")
+  ap.add_argument(
+    "--decode-quant",
+    default="int8:reference,fp8:reference,fp8:pallas_gpu",
+    help="quantized decode rows, mode:matmul_kernel (a jaxrl.quant mode; reference|pallas_gpu)",
+  )
   ap.add_argument("--smoke", action="store_true", help="CPU check of the script (see above)")
   args = ap.parse_args(argv)
   skip = set(filter(None, args.skip.split(",")))
@@ -406,7 +436,11 @@ def main(argv=None) -> int:
       cfg, b, p, ns = ModelConfig.arith_small(32).replace(max_seq_len=64), 2, 8, (2, 4)
     else:
       cfg, b, p, ns = ModelConfig.llama3p2_1b().replace(max_seq_len=1024), 64, 128, (32, 160)
-    decode_cases(run, cfg, b, p, ns, bw, ("reference", impl), interpret, max(1, reps // 5))
+    quant = [tuple(q.split(":")) for q in args.decode_quant.split(",") if q]
+    if smoke:
+      quant = [("int8", "reference"), ("fp8", impl)]
+    kernels = ("reference", impl)
+    decode_cases(run, cfg, b, p, ns, bw, kernels, interpret, max(1, reps // 5), quant, skip)
   bad = run.bad()
   if bad:
     print(f"FAILED or MISMATCH against the reference: {[(r['case'], r.get('m')) for r in bad]}")
