@@ -93,3 +93,17 @@ def test_bad_flags_are_named_before_anything_runs(argv, message, capsys):
   assert remote.main([*argv, "--dry-run"]) == 2
   captured = capsys.readouterr()
   assert message in captured.err and captured.out.count("[1/") == 0
+
+
+def test_the_accelerator_extras_pin_the_jax_the_cpu_install_uses():
+  # launch.remote installs ".[tpu]" / ".[cuda]": they must bring the same jax as the CPU default,
+  # or a TPU run would train on another jax than the one the tests ran on.
+  import configparser
+  import re
+
+  cfg = configparser.ConfigParser()
+  cfg.read(ROOT / "setup.cfg")
+  (jax_pin,) = re.findall(r"^jax==(\S+)$", cfg["options"]["install_requires"], re.M)
+  extras = cfg["options.extras_require"]
+  assert extras["tpu"].split() == [f"jax[tpu]=={jax_pin}"]
+  assert extras["cuda"].split() == [f"jax[cuda]=={jax_pin}"]
