@@ -201,7 +201,7 @@ class Driver:
     policy_version: int = 0,
     seed: int = 0,
     stop_when: Callable[[Progress], bool] | None = None,
-    on_finished: Callable[[list[Completion]], None] | None = None,
+    on_finished: Callable[[list[Completion]], Sequence[Request] | None] | None = None,
     keep: dict | None = None,
   ) -> RunResult:
     """Sample every request (or until `stop_when(progress)` holds); see the module docstring.
@@ -209,7 +209,9 @@ class Driver:
     `on_finished(completions)` is handed the sequences that finished since its last call, each
     time the host has read a decode call's results and the next call is already running: host
     work on them (detokenising, scoring) overlaps that device call. Every finished sequence is
-    handed over once, the last ones before `run` returns.
+    handed over once, the last ones before `run` returns. Requests it returns join the queue
+    (ungrouped, fresh ids): a multi-turn rollout starts a sequence's next turn as soon as its
+    environment has answered, while the other sequences decode (`jaxrl.rollout.multiturn`).
 
     `keep` (a dict the caller owns for the runs of one step) holds the batched prefills of
     groups whose requests set `draws`: a group found in it is not prefilled again, its samples
@@ -238,6 +240,25 @@ class Driver:
     programs_before = eng.program_count
     done_units = [0]
     reported = [0]  # finished sequences handed to on_finished so far
+    ids = {r.request_id for u in units for r in u}
+
+    def report() -> bool:
+      """Hand the new finished sequences to on_finished; queue what it returns (any?)."""
+      if on_finished is None or len(finished) <= reported[0]:
+        return False
+      more = on_finished(finished[reported[0] :]) or ()
+      reported[0] = len(finished)
+      for r in more:
+        if r.group_id is not None or r.resume is not None or r.request_id in ids:
+          raise ValueError(
+            f"on_finished returned request {r.request_id}: fed requests are ungrouped, not "
+            "resumed, with ids not used before in the run"
+          )
+        ids.add(r.request_id)
+        units.extend(self._units([r]))
+        unit_left.append(1)
+        queue.append(len(units) - 1)
+      return bool(more)
 
     def finish(seq: _Live, reason: str):
       if seq.slot is not None:
@@ -424,7 +445,7 @@ class Driver:
 
     pending = None
     aborted = False
-    while True:
+    while True:  # until nothing is live, queued or fed by on_finished
       admit()
       if stop_when is not None and stop_when(Progress(finished, done_units[0], len(live))):
         aborted = True
@@ -432,6 +453,8 @@ class Driver:
       if not live and pending is None:
         if queue:  # cannot happen: `_units` checked that every unit fits an empty engine
           raise RuntimeError("requests are queued but none can be admitted")
+        if report():  # sequences retired at their first token may feed more
+          continue
         break
       dispatched = None
       if live:
@@ -442,14 +465,12 @@ class Driver:
         dispatched = (res, owners.copy())
       if pending is not None:
         process(*pending)  # overlaps the call just dispatched
-        if on_finished is not None and len(finished) > reported[0]:
-          on_finished(finished[reported[0] :])  # so does the caller's host work
-          reported[0] = len(finished)
+        report()  # so does the caller's host work
       pending = dispatched
     if pending is not None:
       process(*pending)  # already computed: keep its tokens
     if on_finished is not None and len(finished) > reported[0]:
-      on_finished(finished[reported[0] :])
+      on_finished(finished[reported[0] :])  # aborted: what it returns is not run
     partial = []
     for seq in list(live.values()):
       eng.free_resource(seq.slot)
