@@ -193,6 +193,14 @@ class SFTConfig:
     "carry or borrow written by a careless teacher who forgets it (27+15=32); RL's reward and "
     "the held-out set keep the true answers",
   )
+  tool_rate: float = _field(
+    0.0,
+    lo=0.0,
+    hi=1.0,
+    help="task.name='arithmetic': the share of warm-start demonstrations written with a "
+    "calculator call, '<<123*45=5535>>5535' (the call, the tool's answer, the answer), for "
+    "rl.rollout.env='calculator'",
+  )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -504,6 +512,12 @@ def validate(cfg) -> Config:
   )
   check(
     set(c.task.ops) <= set("+-*") and c.task.ops != "", "task.ops", c.task.ops, "chars of '+-*'"
+  )
+  check(
+    c.sft.tool_rate == 0 or c.task.name == "arithmetic",
+    "sft.tool_rate",
+    c.sft.tool_rate,
+    "0 unless task.name='arithmetic' (only its demonstrations are written with calls)",
   )
   check(
     c.sft.careless_rate == 0 or c.task.name == "arithmetic",

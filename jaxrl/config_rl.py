@@ -223,6 +223,19 @@ class RolloutConfig:
     "per-kv-head scales recalibrated at every step from its first prefill (FP8 rollouts as in "
     "veRL's FP8 stack); the gap shows in the mismatch metrics",
   )
+  env: str = _field(
+    "none",
+    choices=("none", "calculator", "python"),
+    help="multi-turn tool use (jaxrl.rollout.multiturn): each sample is an episode whose turns "
+    "an environment answers, its observations fed back as tokens and left out of the loss; "
+    "calculator answers GSM8K-style '<<48/2=' with '24>>', python runs '<py>...</py>' in the "
+    "reward sandbox (reward.sandbox) and answers '<out>...</out>'; rl.max_new_tokens is the "
+    "episode's budget (turns and observations), rl.rollout.turn_tokens each turn's",
+  )
+  max_turns: int = _field(4, lo=1, help="model turns per episode with rl.rollout.env")
+  turn_tokens: int = _field(
+    0, lo=0, help="each model turn's token budget with rl.rollout.env; 0 = rl.max_new_tokens"
+  )
   routes: str = _field(
     "none",
     choices=("none", "record", "replay"),
@@ -459,6 +472,13 @@ def check_rl(rl: RLConfig) -> None:
       rl.group_size,
       ">= 2 with rl.replay (only groups whose rewards differ are stored)",
     )
+  if rl.rollout.env != "none":
+    for name, on in (
+      ("rl.partial.enabled", rl.partial.enabled),
+      ("rl.allocation.method", rl.allocation.method != "none"),
+      ("rl.rollout.routes", rl.rollout.routes != "none"),
+    ):
+      check(not on, name, on, f"off with rl.rollout.env={rl.rollout.env!r} (multi-turn episodes)")
   al = rl.allocation
   if al.method != "none":
     check(

@@ -185,6 +185,16 @@ for _what, _raw, _msg in [
     "config.rl.partial.over_provision=0.5 is out of range; must be >= 1.0",
   ),
   (
+    "multi-turn tool use with partial rollouts",
+    {"rl": {"rollout": {"env": "calculator"}, "partial": {"enabled": True}}},
+    "config.rl.partial.enabled=True is invalid; allowed: off with rl.rollout.env='calculator'",
+  ),
+  (
+    "an unknown tool environment",
+    {"rl": {"rollout": {"env": "browser"}}},
+    "config.rl.rollout.env='browser' is invalid; allowed: ['none', 'calculator', 'python']",
+  ),
+  (
     "a prompt pool smaller than a step",
     {"rl": {"prompt_pool": 3}},
     "config.rl.prompt_pool=3 is invalid; allowed: 0 (an endless stream) or >= rl.prompts_per_step",
@@ -864,7 +874,8 @@ def _(tmp):
 @entry(
   "reward functions",
   "an unknown reward looked up by name",
-  "unknown reward 'exact_mach'; valid: ['code_tests', 'code_tests_passed', 'exact_match',",
+  # (the valid names go on with those other tests of the process registered: not listed here)
+  "unknown reward 'exact_mach'; valid: ['code_tests', 'code_tests_passed',",
 )
 def _(tmp):
   return rewards.get("exact_mach")

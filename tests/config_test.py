@@ -303,9 +303,10 @@ def test_complete_leaves_a_section_given_as_a_value_for_validate_to_report():
     ("lora_rank", "did you mean config.model.lora_rank?"),
     (
       "rl.rollout.zzz",
-      "unknown field config.rl.rollout.zzz; valid fields of config.rl.rollout: batching, "
-      "kv_dtype, learner_fake_quant, learner_fake_quant_part, num_pages, overlap_rewards, "
-      "page_size, prefill_batch_prompts, quantize, routes, slots, steps_per_call",
+      "unknown field config.rl.rollout.zzz; valid fields of config.rl.rollout: batching, env, "
+      "kv_dtype, learner_fake_quant, learner_fake_quant_part, max_turns, num_pages, "
+      "overlap_rewards, page_size, prefill_batch_prompts, quantize, routes, slots, "
+      "steps_per_call, turn_tokens",
     ),
     ("nope.x", "unknown field config.nope.x; valid fields of config: checkpoint, distill,"),
   ],

@@ -91,6 +91,9 @@ class ArithmeticTask:
       27+15= -> 32, 42-15= -> 33 (the smaller digit taken from the larger). Which records are
       careless is drawn with the record, so it depends only on (seed, index). Rewards and the
       held-out set always use the true answer; 0 (the default) draws nothing extra.
+    tool_rate: the share of training demonstrations written with a GSM8K-style calculator call,
+      "<<12*34=408>>408" (`jaxrl.rollout.multiturn.CalculatorEnv` answers such calls in RL);
+      drawn after careless_rate, from the record's own stream; 0 draws nothing.
   """
 
   max_digits: int = 2
@@ -99,6 +102,7 @@ class ArithmeticTask:
   allow_negative: bool = False
   operand_dist: str = "uniform"
   careless_rate: float = 0.0
+  tool_rate: float = 0.0
 
   def __post_init__(self):
     if isinstance(self.max_digits, bool) or not isinstance(self.max_digits, int):
@@ -126,9 +130,10 @@ class ArithmeticTask:
       raise ValueError(f"allow_negative must be a bool, got {self.allow_negative!r}")
     if self.operand_dist not in _OPERAND_DISTS:
       raise ValueError(f"operand_dist must be one of {_OPERAND_DISTS}, got {self.operand_dist!r}")
-    rate = self.careless_rate
-    if isinstance(rate, bool) or not isinstance(rate, int | float) or not 0.0 <= rate <= 1.0:
-      raise ValueError(f"careless_rate must be a float in [0, 1], got {rate!r}")
+    for name in ("careless_rate", "tool_rate"):
+      rate = getattr(self, name)
+      if isinstance(rate, bool) or not isinstance(rate, int | float) or not 0.0 <= rate <= 1.0:
+        raise ValueError(f"{name} must be a float in [0, 1], got {rate!r}")
 
   # ---------------------------------------------------------------------------------- problems
 
@@ -150,7 +155,12 @@ class ArithmeticTask:
   def sft_task(self, sft) -> ArithmeticTask:
     """The warm-start's data mix (config.sft): its own operand distribution and the careless
     teacher's rate; RL prompts and the held-out set keep this task's."""
-    return dataclasses.replace(self, operand_dist=sft.operand_dist, careless_rate=sft.careless_rate)
+    return dataclasses.replace(
+      self,
+      operand_dist=sft.operand_dist,
+      careless_rate=sft.careless_rate,
+      tool_rate=getattr(sft, "tool_rate", 0.0),
+    )
 
   def sft_completion(self, record: Record) -> str:
     """The demonstration (without EOS) for `record`: the answer, or the careless teacher's
@@ -189,6 +199,9 @@ class ArithmeticTask:
           demo = careless(a, op, b)
           if demo is not None:
             record["demo"] = demo
+        if not want_held_out and self.tool_rate > 0.0 and rng.random() < self.tool_rate:
+          call = f"<<{a}{op}{b}={record['answer']}>>"
+          record["demo"] = call + record["answer"]  # a careless answer is the tool's to fix
         return record
     raise ValueError(
       f"no {split!r} problem found in {_MAX_ATTEMPTS} draws: held_out_fraction="

@@ -46,10 +46,14 @@ def rollout_columns(rollout, row_weight=None) -> dict[str, np.ndarray]:
   behaviour log-probs and the per-token versions (-1 off the loss tokens). Each completion
   token keeps the policy version that sampled it (`Rollout.versions`), so a sequence continued
   across updates carries its own staleness per token. A rollout with captured MoE routes adds
-  `routes` [B, T, L, k]."""
+  `routes` [B, T, L, k]. A multi-turn rollout's observation tokens are `valid` but off the mask.
+  """
   prompt_tokens, rollout_mask = np.asarray(rollout.prompt_tokens), np.asarray(rollout.mask)
   b, p = prompt_tokens.shape
-  mask = np.concatenate([np.zeros((b, p), bool), rollout_mask], axis=1).astype(np.float32)
+  # The loss covers the policy's own tokens; a multi-turn rollout's observation tokens are only
+  # valid (attended), like the prompt.
+  model = rollout.model_tokens() if hasattr(rollout, "model_tokens") else rollout_mask
+  mask = np.concatenate([np.zeros((b, p), bool), model], axis=1).astype(np.float32)
   versions = np.concatenate([np.full((b, p), -1, np.int32), np.asarray(rollout.versions)], axis=1)
   weight = np.ones(b, np.float32) if row_weight is None else np.asarray(row_weight, np.float32)
   routes = getattr(rollout, "routes", None)

@@ -208,10 +208,9 @@ class PromptEncoder:
     return self.tokenizer.encode(self.text(record), add_bos=not self.chat)
 
 
-def sandboxed(reward_fn, sandbox: SandboxConfig):
-  """A code reward under config.reward.sandbox's limits; the isolation asked for is checked
-  here, before the model is built."""
-  limits = Limits(
+def sandbox_limits(sandbox: SandboxConfig) -> Limits:
+  """config.reward.sandbox as the sandbox's Limits."""
+  return Limits(
     cpu_s=sandbox.cpu_s,
     wall_s=sandbox.wall_s,
     memory_mb=sandbox.memory_mb,
@@ -220,6 +219,25 @@ def sandboxed(reward_fn, sandbox: SandboxConfig):
     output_bytes=sandbox.output_kb * 1024,
     isolation=sandbox.isolation,
   )
+
+
+def env_factory(cfg):
+  """config.rl.rollout.env as a factory of one episode's environment (None: single-turn)."""
+  from jaxrl.rollout.multiturn import CalculatorEnv, PythonToolEnv
+
+  env = cfg.rl.rollout.env
+  if env == "none":
+    return None
+  if env == "calculator":
+    return CalculatorEnv
+  limits = sandbox_limits(cfg.reward.sandbox)
+  return lambda: PythonToolEnv(limits=limits)
+
+
+def sandboxed(reward_fn, sandbox: SandboxConfig):
+  """A code reward under config.reward.sandbox's limits; the isolation asked for is checked
+  here, before the model is built."""
+  limits = sandbox_limits(sandbox)
   try:
     return reward_fn.configured(limits, workers=sandbox.workers)
   except SandboxUnavailableError as e:

@@ -26,6 +26,7 @@ from jaxrl.quant import Quantizer
 from jaxrl.rl.advantages import ESTIMATORS, group_advantages
 from jaxrl.rl.allocation import fill_groups, informative_groups, pilot_commit, vigor_round
 from jaxrl.rl.batch import TrainBatch, rollout_columns
+from jaxrl.rl.components import env_factory
 from jaxrl.rl.kl import kl_estimate, kl_in_reward
 from jaxrl.rl.partial import PartialRollouts
 from jaxrl.rl.prompt_stats import PromptFilter, PromptStats
@@ -68,6 +69,10 @@ def build_sampler(run: Run, mesh=None) -> GroupSampler:
     capture_routes=ro.routes != "none",
     kv_dtype=ro.kv_dtype,
     prefill_batch_prompts=ro.prefill_batch_prompts or None,
+    env_factory=env_factory(cfg),
+    max_turns=ro.max_turns,
+    turn_tokens=ro.turn_tokens or None,
+    env_workers=cfg.reward.sandbox.workers if ro.env == "python" else 0,
   )
 
 

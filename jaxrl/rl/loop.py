@@ -231,7 +231,7 @@ class Trainer:
     """The run's staleness histogram (tokens trained on, by versions behind), in the summary."""
     r = rolled.rollout
     hist = self.summary.setdefault("staleness_histogram", {})
-    lag = (step - np.asarray(r.versions))[np.asarray(r.mask)]
+    lag = (step - np.asarray(r.versions))[r.model_tokens()]
     for k, n in zip(*np.unique(lag, return_counts=True), strict=True):
       hist[str(int(k))] = hist.get(str(int(k)), 0) + int(n)
 

@@ -140,9 +140,9 @@ class RolloutPipeline:
       busy_s = self._sampler_busy_s
     now = time.perf_counter()
     r = rolled.rollout
-    lag = (step - np.asarray(r.versions))[np.asarray(r.mask)]
+    lag = (step - np.asarray(r.versions))[r.model_tokens()]
     m = {
-      "async/policy_version": float(np.asarray(r.versions)[np.asarray(r.mask)].min(initial=step)),
+      "async/policy_version": float(np.asarray(r.versions)[r.model_tokens()].min(initial=step)),
       "async/staleness_mean": float(lag.mean()) if lag.size else 0.0,
       "async/staleness_max": float(lag.max(initial=0)),
     }

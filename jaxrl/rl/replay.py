@@ -83,7 +83,7 @@ class ReplayBuffer:
     for i in np.flatnonzero(keep):
       rows = slice(i * g, (i + 1) * g)
       group = jax.tree.map(lambda x, rows=rows: np.asarray(x)[rows], rollout)
-      oldest = int(np.asarray(group.versions)[np.asarray(group.mask)].min(initial=step))
+      oldest = int(np.asarray(group.versions)[group.model_tokens()].min(initial=step))
       self.groups.append((step, oldest, group, np.asarray(rewards)[rows]))
     self.groups = self.groups[-self.capacity :]
 

@@ -63,6 +63,11 @@ def to_rollout(
   routes = None
   if b and completions[0].routes is not None:
     routes = pack_routes(completions, prompt_len, n, num_experts)
+  model_mask = None
+  if b and completions[0].model_mask is not None:  # multi-turn: observations are not the policy's
+    model_mask = np.zeros((b, n), bool)
+    for i, c in enumerate(completions):
+      model_mask[i, : len(c.tokens)] = c.model_mask
   # Truncated = stopped by the length budget (or aborted), not by a stop token or string.
   truncated = np.array([c.finish_reason in ("length", "abort") for c in completions], bool)
   return Rollout(
@@ -76,6 +81,7 @@ def to_rollout(
     truncated=truncated,
     finish_reason=reason.reshape(b),
     routes=routes,
+    model_mask=model_mask,
   )
 
 
@@ -113,7 +119,11 @@ class GroupSampler:
   placement, on `max_concurrent_decodes` or on the page budget. `resumable` sizes the engine's
   prefill for partial sequences resumed with their completion so far (jaxrl.rl.partial);
   `capture_routes` (MoE) has each rollout carry the experts the sampler routed every position to
-  (`Rollout.routes`), for routing replay in the learner.
+  (`Rollout.routes`), for routing replay in the learner. `env_factory` makes every sample a
+  multi-turn episode (`jaxrl.rollout.multiturn`): up to `max_turns` turns of `turn_tokens`
+  (default max_new_tokens) each, the episode's tokens after the prompt at most max_new_tokens,
+  its row's `Rollout.model_mask` False on the environment's observations; `env_workers` > 0
+  steps a batch of environments on that many threads (tools that run processes).
   """
 
   def __init__(
@@ -138,8 +148,23 @@ class GroupSampler:
     capture_routes: bool = False,
     kv_dtype: str = "auto",
     prefill_batch_prompts: int | None = None,
+    env_factory=None,
+    max_turns: int = 1,
+    turn_tokens: int | None = None,
+    env_workers: int = 0,
   ):
     self.prompt_len, self.max_new_tokens, self.pad_id = prompt_len, max_new_tokens, pad_id
+    self.env_factory, self.max_turns = env_factory, max_turns
+    self.turn_tokens = turn_tokens or max_new_tokens
+    self.executor = None
+    if env_workers > 0:  # the environments of a batch of finished turns step concurrently
+      from concurrent.futures import ThreadPoolExecutor
+
+      self.executor = ThreadPoolExecutor(env_workers, thread_name_prefix="jaxrl-env")
+    self.tokenizer = tokenizer
+    if env_factory is not None and tokenizer is None:
+      raise ValueError("a multi-turn GroupSampler (env_factory) needs the tokenizer")
+    resumable = resumable or env_factory is not None  # a later turn prefills the episode so far
     self.sampling = sampling
     eos_ids = tuple(int(e) for e in eos_ids)
     self.stop_ids = eos_ids[1:]  # the driver always stops on its eos_id
@@ -211,8 +236,14 @@ class GroupSampler:
     prompt asked for together share one prefill. With `keep` (a dict held for the rounds of one
     step) each prompt is prefilled once, drawing the first tokens of all `stride` samples, and
     later rounds insert their samples from that prefill (`Driver.run(keep=...)`).
-    Returns ({(i, j): Completion}, stats)."""
+    Returns ({(i, j): Completion}, stats). With an `env_factory` each sample is a multi-turn
+    episode (`jaxrl.rollout.multiturn`; episode i * stride + j, one environment each) whose
+    Completion holds the whole trajectory after the prompt, `model_mask` False on observations."""
     sampling = sampling or self.sampling
+    if self.env_factory is not None:
+      return self._episodes(
+        params, prompts, samples, stride, seed, version, sampling, on_finished, keep
+      )
     requests = []
     for i, (p, js) in enumerate(zip(prompts, samples, strict=True)):
       for j in js:
@@ -235,6 +266,51 @@ class GroupSampler:
     )
     by_id = {divmod(c.request_id, stride): c for c in result.finished}
     return by_id, dict(result.stats)
+
+  def _episodes(self, params, prompts, samples, stride, seed, version, sampling, on_finished, keep):
+    from jaxrl.rollout.multiturn import run_episodes
+
+    if keep is not None:
+      raise ValueError("multi-turn rollouts do not keep prefills across rounds (keep=)")
+    pairs = [(i, j) for i, js in enumerate(samples) for j in js]
+    if any(not 0 <= j < stride for _, j in pairs):
+      raise ValueError(f"a sample index is outside [0, stride={stride})")
+    stats = {}
+    trajs = run_episodes(
+      self.driver,
+      params,
+      [list(prompts[i]) for i, _ in pairs],
+      [self.env_factory() for _ in pairs],
+      tokenizer=self.tokenizer,
+      max_turns=self.max_turns,
+      max_new_tokens=self.turn_tokens,
+      max_total_tokens=self.max_new_tokens,
+      sampling=sampling,
+      seed=seed,
+      policy_version=version,
+      episode_ids=[i * stride + j for i, j in pairs],
+      stop_token_ids=self.stop_ids,
+      stats=stats,
+      executor=self.executor,
+    )
+    by_id = {}
+    for (i, j), t in zip(pairs, trajs, strict=True):
+      done = t.finish_reason == "done"
+      by_id[i, j] = Completion(
+        request_id=i * stride + j,
+        group_id=i,
+        prompt_tokens=t.prompt_tokens,
+        tokens=t.tokens,
+        logprobs=t.logprobs,
+        finish_reason="stop" if done else "length",
+        policy_version=version,
+        versions=t.versions,
+        key=np.zeros(2, np.uint32),
+        model_mask=t.loss_mask,
+      )
+    if on_finished is not None:
+      on_finished([by_id[p] for p in pairs])
+    return by_id, stats
 
   def pack(self, completions: Sequence[Completion]) -> Rollout:
     """Completions (in the order given) as this sampler's fixed-shape `Rollout`."""

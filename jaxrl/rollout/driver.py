@@ -118,6 +118,7 @@ class Completion:
   # [P + N - 1, L, k] int32 with an engine that captures routes: the experts of every position
   # the sampler fed (the prompt, then each completion token but the last, never fed); else None.
   routes: np.ndarray | None = None
+  model_mask: np.ndarray | None = None  # [N] bool, multi-turn: False on observation tokens
 
 
 @dataclasses.dataclass

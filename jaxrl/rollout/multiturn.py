@@ -65,7 +65,7 @@ class Environment(Protocol):
 class Trajectory:
   """One episode after its prompt: model turns and observations interleaved, as fed."""
 
-  episode: int
+  episode: int  # its episode id
   prompt_tokens: np.ndarray  # [P] int32
   tokens: np.ndarray  # [T] int32
   loss_mask: np.ndarray  # [T] bool: True on the model's own tokens
@@ -103,6 +103,9 @@ def run_episodes(
   seed: int = 0,
   policy_version: int = 0,
   executor: Executor | None = None,
+  episode_ids: Sequence[int] | None = None,
+  stop_token_ids: tuple[int, ...] = (),
+  stats: dict | None = None,
 ) -> list[Trajectory]:
   """Run one episode per (prompt, env) to its end; see the module docstring.
 
@@ -110,11 +113,18 @@ def run_episodes(
   (model and observation tokens; default the engine's room after the longest prompt). An
   observation that would not leave a turn at least one token, or a context longer than the
   engine prefills, ends the episode ("length"); an observation no turn reads (the episode ends)
-  is not appended, so a trajectory is exactly what the model was fed."""
+  is not appended, so a trajectory is exactly what the model was fed. `episode_ids` (default
+  0, 1, ...; unique) name the episodes' random streams: turn t of episode k is request
+  k * max_turns + t. `stop_token_ids`: stop tokens besides the driver's EOS. `stats`, if
+  given, receives the driver's counters and the episodes' turn and tool-call counts."""
   if len(prompts) != len(envs):
     raise ValueError(f"run_episodes: {len(prompts)} prompts but {len(envs)} environments")
   if max_turns < 1 or max_new_tokens < 1:
     raise ValueError(f"max_turns ({max_turns}) and max_new_tokens ({max_new_tokens}) must be >= 1")
+  ids = list(range(len(prompts))) if episode_ids is None else [int(k) for k in episode_ids]
+  if len(ids) != len(prompts) or len(set(ids)) != len(ids):
+    raise ValueError("run_episodes: episode_ids must be unique, one per prompt")
+  index = {k: e for e, k in enumerate(ids)}
   room = driver.engine.max_target_length
   eps = [_Episode(env, list(p)) for p, env in zip(prompts, envs, strict=True)]
   budget = max_total_tokens or room - max(len(p) for p in prompts)
@@ -131,14 +141,15 @@ def run_episodes(
       return None
     return Request(
       ep.prompt + ep.tokens,
-      e * max_turns + turn,
+      ids[e] * max_turns + turn,
       sampling=sampling,
       max_new_tokens=min(max_new_tokens, left),
+      stop_token_ids=tuple(stop_token_ids),
       stop_strings=tuple(ep.env.stop_strings),
     )
 
   def turn_done(c: Completion) -> tuple[int, str, str]:
-    e = c.request_id // max_turns
+    e = index[c.request_id // max_turns]
     ep = eps[e]
     start = len(ep.tokens)
     ep.tokens += c.tokens.tolist()
@@ -176,10 +187,16 @@ def run_episodes(
     return [r for (e, _, _), s in zip(acts, steps, strict=True) if (r := answer(e, s))]
 
   first = [r for e in range(len(eps)) if (r := request(e))]
-  driver.run(params, first, policy_version=policy_version, seed=seed, on_finished=on_finished)
+  result = driver.run(
+    params, first, policy_version=policy_version, seed=seed, on_finished=on_finished
+  )
+  if stats is not None:
+    stats.update({k: float(v) for k, v in result.stats.items()})
+    stats["turns"] = float(sum(len(ep.turns) for ep in eps))
+    stats["tool_calls"] = float(sum(getattr(ep.env, "calls", 0) for ep in eps))
   return [
     Trajectory(
-      e,
+      ids[e],
       np.asarray(ep.prompt, np.int32),
       np.asarray(ep.tokens, np.int32),
       np.asarray(ep.mask, bool),
@@ -250,9 +267,10 @@ def last_number(text: str) -> str | None:
 class CalculatorEnv:
   """GSM8K's calculator annotations as a tool: a turn that ends in `<<EXPR=` is answered with
   `VALUE>>` (or `?>>` for an expression the calculator refuses); any other turn ends the
-  episode with reward 1.0 if the last number the model wrote in it equals `answer`."""
+  episode with reward 1.0 if the last number the model wrote in it equals `answer`. In an RL
+  run (rl.rollout.env='calculator') the task's own reward scores the whole trajectory's text."""
 
-  answer: str
+  answer: str | None = None  # None: the episode's last turn scores 0 (a task reward scores it)
   stop_strings: tuple[str, ...] = ("=",)
   calls: int = 0
 
@@ -264,7 +282,8 @@ class CalculatorEnv:
       return EnvStep(f"{value if value is not None else '?'}>>")
     if finish_reason == "stop_string":
       return EnvStep(None)  # an "=" outside a call: go on writing
-    return EnvStep(None, reward=float(last_number(action) == self.answer), done=True)
+    won = self.answer is not None and last_number(action) == self.answer
+    return EnvStep(None, reward=float(won), done=True)
 
 
 @dataclasses.dataclass

@@ -34,6 +34,15 @@ class Rollout(NamedTuple):
   # the sampler captured them (routing replay), aligned with `TrainBatch.tokens`; -1 where
   # nothing was fed (padding, the last token). int8 (int16 past 127 experts). None otherwise.
   routes: jax.Array | None = None
+  # [B, N] bool with multi-turn rollouts (jaxrl.rollout.multiturn): True on the tokens the policy
+  # sampled, False on the environment's observation tokens between its turns (fed, attended, not
+  # trained). None: every `mask` token is the policy's.
+  model_mask: jax.Array | None = None
+
+  def model_tokens(self):
+    """[B, N] bool (numpy): the completion tokens the policy sampled (`mask` less observations)."""
+    m = np.asarray(self.mask)
+    return m if self.model_mask is None else m & np.asarray(self.model_mask)
 
 
 def rollout_to_json(rollout: Rollout) -> dict:

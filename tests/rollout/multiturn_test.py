@@ -11,6 +11,8 @@ import pytest
 from helpers import tiny_model
 
 from jaxrl.rewards.sandbox import Limits
+from jaxrl.rl.batch import rollout_columns
+from jaxrl.rollout.collect import GroupSampler
 from jaxrl.rollout.driver import Driver, Request
 from jaxrl.rollout.engine import Engine
 from jaxrl.rollout.multiturn import (
@@ -200,3 +202,64 @@ def test_the_python_tool_runs_code_in_the_sandbox():
   # An empty environment; Python itself may add LC_CTYPE (PEP 538 C-locale coercion).
   assert env_leak.observation in ("<out>[]\n</out>", "<out>['LC_CTYPE']\n</out>")
   assert env.step("it is 42", "stop") == EnvStep(None, reward=1.0, done=True)
+
+
+def test_a_group_sampler_row_is_an_episode_with_its_observations_off_the_loss():
+  # rl.rollout.env: GroupSampler rows are whole episodes; the TrainBatch columns attend to the
+  # observation tokens (valid) but train only the model's (loss_mask), versions -1 on them.
+  cfg, graphdef, params = tiny_model()
+  obs = TOK.encode("<ok>")
+  sampler = GroupSampler(
+    cfg, graphdef, prompt_len=12, max_new_tokens=24, eos_ids=(TOK.eos_id,), pad_id=0,
+    sampling=SAMPLED, max_concurrent_decodes=4, page_size=4, tokenizer=TOK,
+    env_factory=lambda: Scripted(["<ok>"]), max_turns=3, turn_tokens=6,
+  )  # fmt: skip
+  prompts = [TOK.encode("a:", add_bos=True), TOK.encode("bb:", add_bos=True)]
+  rollout, stats = sampler(params, prompts, group_size=2, seed=1, version=4)
+  assert stats["turns"] == 8.0  # two turns an episode: one observation between them
+  mask, model = np.asarray(rollout.mask), np.asarray(rollout.model_mask)
+  for row in range(4):
+    between = mask[row] & ~model[row]
+    assert rollout.tokens[row][between].tolist() == obs
+    assert rollout.versions[row][model[row] & mask[row]].tolist() == [4] * int(model[row].sum())
+  cols = rollout_columns(rollout)
+  p = rollout.prompt_tokens.shape[1]
+  np.testing.assert_array_equal(cols["loss_mask"][:, p:] > 0, mask & model)
+  np.testing.assert_array_equal(cols["valid"][:, p:], mask)
+  assert np.all(cols["versions"][:, p:][mask & ~model] == -1)
+  again, _ = sampler(params, prompts, group_size=2, seed=1, version=4)  # fixed by the seed
+  np.testing.assert_array_equal(np.asarray(again.tokens), np.asarray(rollout.tokens))
+
+
+def test_an_rl_run_trains_on_episodes_and_never_on_their_observations(tmp_path, monkeypatch):
+  # rl.rollout.env through the whole loop: the environment (scripted here, so that every episode
+  # has an observation whatever the tiny model writes) answers, the learner's batches attend to
+  # the observation tokens and leave them out of the loss.
+  import jax
+
+  from configs import grpo_arith
+  from jaxrl.config import validate
+  from jaxrl.rl import experience
+  from jaxrl.rl.loop import Trainer
+
+  monkeypatch.setattr(experience, "env_factory", lambda cfg: lambda: Scripted(["<ok>"]))
+  c = grpo_arith.get_config("smoke")
+  c.workdir, c.log.progress, c.log.tensorboard = str(tmp_path), False, False
+  c.model.preset, c.sft.steps, c.eval.every, c.eval.num_examples = "tiny", 4, 0, 8
+  c.rl.update(dict(steps=2, prompts_per_step=4, group_size=2, max_new_tokens=16))
+  c.rl.rollout.update(dict(env="calculator", max_turns=2, turn_tokens=5))
+  trainer = Trainer(validate(c), log=lambda *_: None)
+  trained, update = [], trainer.learner.update
+  trainer.learner.update = lambda state, batch, step: (
+    trained.append(jax.device_get(batch)), update(state, batch, step))[1]  # fmt: skip
+  trainer.run()
+  trainer.close()
+  obs = TOK.encode("<ok>")
+  assert len(trained) == 2
+  for batch in trained:
+    valid, loss = np.asarray(batch.valid), np.asarray(batch.loss_mask) > 0
+    tokens = np.asarray(batch.tokens)
+    for row in range(tokens.shape[0]):
+      seen = tokens[row][valid[row] & ~loss[row]].tolist()  # prompt, then the observation
+      assert seen[-len(obs) :] == obs and loss[row].any()
+      assert np.all(np.asarray(batch.advantages)[row][~loss[row]] == 0)
