@@ -12,9 +12,11 @@ Launch:
   bash launch/train.sh --config=configs/grpo_calculator.py
   bash launch/train.sh --config=configs/grpo_calculator.py:smoke      # about a minute
 
-Expected: not measured over seeds yet (docs/results.md says what has been run); read
-`eval/accuracy` (greedy, tools available) and `rollout/tool_calls` per step. ':smoke' (1- and
-2-digit products) only checks that everything moves.
+Expected (docs/results.md, "Tool use", seed 0 only, not a claim over seeds): held-out greedy
+accuracy 0.465 after the warm-start, 0.998-1.0 from RL step 20 on; the calculator called in 179
+of 512 episodes at RL step 1, 508 at step 100. The 100 RL steps (evaluations included) take
+about 5 minutes on a 2-core CPU (the warm-start's time was not measured alone). ':smoke' (1-
+and 2-digit products) only checks that everything moves.
 """
 
 from pathlib import Path
