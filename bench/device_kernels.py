@@ -4,10 +4,12 @@ when one is lent); on a CPU it refuses rather than report interpret-mode timings
 
   python bench/device_kernels.py --out=$OUT/device_kernels.json     # on the GPU / TPU machine
 
-For each quantized-matmul case (W8A8 int8, W8A8 fp8 e4m3, W8A16 bf16 x e4m3) at decode (M = 64)
-and prefill (M = 4096) shapes with K = N = 4096, it compiles `quant_matmul` with the backend's
-kernel (pallas_gpu / pallas_tpu), compares it with the reference on the same backend (int8:
-equal; fp8 / bf16: relative error), and times both against `jnp.dot` of bf16 operands. Then one
+For each quantized-matmul case (W8A8 int8, W8A8 fp8 e4m3, W8A16 bf16 x e4m3; `--cases`) at decode
+(M = 64) and prefill (M = 4096) shapes with K = 4096 and each N of `--n` (4096), it compiles
+`quant_matmul` with the backend's kernel (pallas_gpu / pallas_tpu) in each `--block` config
+(blocks, Triton launch, K split), compares it with the reference on the same backend (int8:
+equal unless split; fp8 / bf16: relative error), and times both against `jnp.dot` of bf16
+operands. Then one
 decode step of paged attention (64 sequences of up to 2,048 keys in 16-token pages, 32 query and
 8 kv heads of 128, bf16 and fp8 pages) through the backend's kernel (`paged_attention`,
 pallas_gpu / pallas_tpu) against the jnp reference that gathers the pages. Then the MoE experts'
@@ -48,7 +50,7 @@ from _common import median_seconds as _time  # noqa: E402
 
 from jaxrl.kernels.grouped_matmul import grouped_matmul  # noqa: E402
 from jaxrl.kernels.paged_attention import PagedKV, paged_attention  # noqa: E402
-from jaxrl.kernels.quant_matmul import quant_matmul, resolve_impl  # noqa: E402
+from jaxrl.kernels.quant_matmul import auto_split_k, quant_matmul, resolve_impl  # noqa: E402
 from jaxrl.models.config import ModelConfig  # noqa: E402
 from jaxrl.quant import quantize, quantize_activations, quantize_params  # noqa: E402
 
@@ -60,7 +62,9 @@ CASES = {
 # Largest relative error against the reference, by case (prefix): int8 accumulates exactly; bf16
 # outputs (attention, grouped matmul) round differently from the reference (2**-8 relative).
 COPIES = 16  # distinct operand sets per timing (_device_seconds): 8 x 16 MiB > the 60 MB L2
+# (--copies sets it: more calls per program average out more of the noise at decode shapes)
 TOL = {"w8a8_int8": 0.0, "paged_attention": 1e-2, "grouped_matmul": 1e-2}
+SPLIT_TOL = 1e-6  # a K split sums float32 partials in any order: int8 is then not bit-exact
 
 
 class Run:
@@ -91,15 +95,21 @@ class Run:
     def tol(r):
       return next((v for k, v in TOL.items() if r["case"].startswith(k)), 1e-3)
 
-    return [r for r in self.rows if "error" in r or r.get("max_rel_err_vs_reference", 0) > tol(r)]
+    def limit(r):
+      return SPLIT_TOL if r.get("split_k", 1) > 1 else tol(r)
+
+    return [r for r in self.rows if "error" in r or r.get("max_rel_err_vs_reference", 0) > limit(r)]
 
 
-def _device_seconds(f, arg_sets, reps: int) -> float:
+def _device_seconds(f, arg_sets, reps: int) -> tuple[float, float]:
   """Device seconds per call of f, host dispatch excluded: one jitted program calls f on each of
   the first half of `arg_sets`, another on all of them (distinct operands, so no call is merged
   with another, and together larger than the L2, so no call finds its weights cached); the
   difference of their median times over the extra calls. A decode-shape kernel takes a few
-  microseconds; timing it call by call from the host measures the dispatch (~50 us here)."""
+  microseconds; timing it call by call from the host measures the dispatch (~50 us here).
+  Returns (that difference, the whole program's median over its calls): the difference of two
+  noisy medians can be off (on the H200 it once put a bf16 dot below the bytes' time); the
+  second is an upper bound (one dispatch shared by all calls) that cannot be."""
   half = len(arg_sets) // 2
 
   def program(sets):
@@ -112,7 +122,8 @@ def _device_seconds(f, arg_sets, reps: int) -> float:
   flat_big = [a for args in arg_sets for a in args]
   t_small = _time(small, *flat_small, reps=reps)
   t_big = _time(big, *flat_big, reps=reps)
-  return max(t_big - t_small, 1e-9) / (len(arg_sets) - half)  # noise can make it <= 0 on a CPU
+  diff = max(t_big - t_small, 1e-9) / (len(arg_sets) - half)  # noise can make it <= 0 on a CPU
+  return diff, t_big / len(arg_sets)
 
 
 def _rel_err(got, want) -> float:
@@ -123,8 +134,8 @@ def _rel_err(got, want) -> float:
 def _compare(kern, ref, arg_sets, reps: int) -> dict:
   """Error of kern against ref on the first argument set, then both timed over all of them."""
   row = {"max_rel_err_vs_reference": _rel_err(kern(*arg_sets[0]), ref(*arg_sets[0]))}
-  row["kernel_s"] = _device_seconds(kern, arg_sets, reps)
-  row["reference_s"] = _device_seconds(ref, arg_sets, reps)
+  row["kernel_s"], row["kernel_amortized_s"] = _device_seconds(kern, arg_sets, reps)
+  row["reference_s"], row["reference_amortized_s"] = _device_seconds(ref, arg_sets, reps)
   row["kernel_vs_reference"] = row["reference_s"] / row["kernel_s"]
   return row
 
@@ -139,20 +150,25 @@ def _show(row: dict, extra: str = "") -> None:
     )
 
 
-def matmul_cases(run: Run, impl: str, k: int, n: int, ms, configs, reps: int, interpret: bool):
-  """quant_matmul (each CASES format, each (block, launch) config) vs its reference and a bf16
+def matmul_cases(
+  run: Run, impl: str, k: int, n: int, ms, configs, reps: int, interpret: bool, cases=CASES
+):
+  """quant_matmul (each `cases` format, each (block, launch, split_k) config) vs its reference
+  and a bf16
   jnp.dot, per M; both also against the float32 product of the dequantized operands (which of
   the two accumulates less precisely). Each timing cycles over `COPIES` weights (L2 misses)."""
   rng = np.random.default_rng(0)
   copies = 2 if interpret else COPIES
-  w32s = [jnp.asarray(rng.normal(size=(k, n)).astype(np.float32)) for _ in range(copies)]
+  keys = jax.random.split(jax.random.key(n), copies)  # drawn on the device: 32 x 4096 x 14336
+  w32s = [jax.random.normal(key, (k, n), jnp.float32) for key in keys]
   bf16 = jax.jit(lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32))
   exact = jax.jit(lambda a, b: jnp.dot(a, b, precision="highest"))
   for m in ms:
     x32 = jnp.asarray(rng.normal(size=(m, k)).astype(np.float32))
     xb = x32.astype(jnp.bfloat16)
-    t_bf16 = _device_seconds(bf16, [(xb, w.astype(jnp.bfloat16)) for w in w32s], reps)
-    for case, (x_dtype, w_dtype) in CASES.items():
+    t_bf16, a_bf16 = _device_seconds(bf16, [(xb, w.astype(jnp.bfloat16)) for w in w32s], reps)
+    for case in cases:
+      x_dtype, w_dtype = CASES[case]
       qs = [quantize(w, 1, w_dtype) for w in w32s]
       if jnp.dtype(x_dtype).itemsize == 1:
         xq, xs = quantize_activations(x32, (1,), x_dtype)
@@ -162,26 +178,38 @@ def matmul_cases(run: Run, impl: str, k: int, n: int, ms, configs, reps: int, in
         x_deq = xq.astype(jnp.float32)
       want = exact(x_deq, qs[0].values.astype(jnp.float32) * qs[0].scale.reshape(1, n))
       sets = [(xq, q.values, q.scale, xs) for q in qs]
-      for block, launch in configs:
+      for block, launch, split in configs:
+        if impl == "pallas_tpu" and split is not None:
+          continue  # the K split is the Triton kernel's
 
-        def one(block=block, launch=launch, sets=sets, want=want, t_bf16=t_bf16):
+        def one(block=block, launch=launch, split=split, sets=sets, want=want, bf=(t_bf16, a_bf16)):
           kern = jax.jit(
             lambda a, b, c, d: quant_matmul(
-              a, b, c, d, impl=impl, block=block, interpret=interpret, launch=launch
+              a, b, c, d, impl=impl, block=block, interpret=interpret, launch=launch,
+              split_k=split,
             )
-          )
+          )  # fmt: skip
           ref = jax.jit(lambda a, b, c, d: quant_matmul(a, b, c, d, impl="reference"))
           row = _compare(kern, ref, sets, reps)
           row["kernel_rel_err_vs_f32"] = _rel_err(kern(*sets[0]), want)
           row["reference_rel_err_vs_f32"] = _rel_err(ref(*sets[0]), want)
-          return row | {"bf16_dot_s": t_bf16, "kernel_vs_bf16": t_bf16 / row["kernel_s"]}
+          return row | {
+            "bf16_dot_s": bf[0],
+            "kernel_vs_bf16": bf[0] / row["kernel_s"],
+            "bf16_dot_amortized_s": bf[1],
+            "kernel_vs_bf16_amortized": bf[1] / row["kernel_amortized_s"],
+          }
 
+        if impl == "pallas_gpu":
+          split = auto_split_k(m, n, k, block) if split is None else split
         cfg = {"block": list(block), "launch": None if launch is None else list(launch)}
-        row = run.case(case, one, m=m, k=k, n=n, **cfg)
+        row = run.case(case, one, m=m, k=k, n=n, split_k=split or 1, **cfg)
         _show(
           row,
-          f"  bf16 dot {t_bf16 * 1e6:.1f} us (bf16 / kernel {row.get('kernel_vs_bf16', 0):.2f}x)"
-          f"  block {block} launch {launch}  vs f32: kernel "
+          f"  bf16 dot {t_bf16 * 1e6:.1f} us (bf16 / kernel {row.get('kernel_vs_bf16', 0):.2f}x;"
+          f" amortized {a_bf16 * 1e6:.1f} / {row.get('kernel_amortized_s', 0) * 1e6:.1f} us ="
+          f" {row.get('kernel_vs_bf16_amortized', 0):.2f}x)"
+          f"  block {block} launch {launch} split {split}  vs f32: kernel "
           f"{row.get('kernel_rel_err_vs_f32', -1):.1e} "
           f"reference {row.get('reference_rel_err_vs_f32', -1):.1e}",
         )
@@ -369,16 +397,19 @@ def decode_cases(
 
 
 def main(argv=None) -> int:
+  global COPIES
   ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
   ap.add_argument("--out", default="bench/results/device_kernels.json")
   ap.add_argument("--reps", type=int, default=20)
   ap.add_argument("--k", type=int, default=4096)
-  ap.add_argument("--n", type=int, default=4096)
+  ap.add_argument("--n", default="4096", help="quant_matmul N values, comma-separated")
   ap.add_argument(
     "--block",
     default="128,128,128",
-    help="quant_matmul configs, ';'-separated: bm,bn,bk[,num_warps,num_stages] (Triton launch)",
+    help="quant_matmul configs, ';'-separated: bm,bn,bk[,num_warps,num_stages][@split_k] "
+    "(Triton launch; K split, none: auto_split_k)",
   )
+  ap.add_argument("--cases", default=",".join(CASES), help=f"quant_matmul formats of {list(CASES)}")
   ap.add_argument(
     "--skip", default="", help="comma list of sections: matmul,paged,moe,bandwidth,decode,engine"
   )
@@ -388,8 +419,12 @@ def main(argv=None) -> int:
     default="int8:reference,fp8:reference,fp8:pallas_gpu",
     help="quantized decode rows, mode:matmul_kernel (a jaxrl.quant mode; reference|pallas_gpu)",
   )
+  ap.add_argument("--copies", type=int, default=COPIES, help="operand sets per timing (even)")
   ap.add_argument("--smoke", action="store_true", help="CPU check of the script (see above)")
   args = ap.parse_args(argv)
+  if args.copies < 2 or args.copies % 2:
+    ap.error(f"--copies must be an even number >= 2, got {args.copies}")
+  COPIES = args.copies
   skip = set(filter(None, args.skip.split(",")))
   backend = jax.default_backend()
   impl = resolve_impl("auto")
@@ -402,10 +437,14 @@ def main(argv=None) -> int:
     interpret, reps, out = False, args.reps, Path(args.out)
   configs = []
   for spec in args.block.split(";"):
-    nums = tuple(int(v) for v in spec.split(","))
-    if len(nums) not in (3, 5):
-      ap.error(f"--block entry {spec!r}: bm,bn,bk or bm,bn,bk,num_warps,num_stages")
-    configs.append((nums[:3], nums[3:] or None))
+    shape, _, split = spec.partition("@")
+    nums = tuple(int(v) for v in shape.split(","))
+    if len(nums) not in (3, 5) or (split and not split.isdigit()):
+      ap.error(f"--block entry {spec!r}: bm,bn,bk[,num_warps,num_stages][@split_k]")
+    configs.append((nums[:3], nums[3:] or None, int(split) if split else None))
+  cases = [c for c in args.cases.split(",") if c]
+  if not cases or set(cases) - set(CASES):
+    ap.error(f"--cases {args.cases!r}: a comma list of {list(CASES)}")
   run = Run(out, {
     "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
     "device": str(jax.devices()[0].device_kind),
@@ -417,9 +456,12 @@ def main(argv=None) -> int:
   print(f"{run.meta['device']} ({backend}), jax {jax.__version__}, kernels {impl}", flush=True)
   smoke = args.smoke
   if "matmul" not in skip:
-    k, n = (48, 40) if smoke else (args.k, args.n)
+    k, ns = (48, (40,)) if smoke else (args.k, tuple(int(v) for v in args.n.split(",")))
     ms = (5,) if smoke else tuple(int(v) for v in args.ms.split(","))
-    matmul_cases(run, impl, k, n, ms, configs, reps, interpret)
+    if smoke:
+      configs = [*configs, ((16, 16, 16), None, 2)]  # a split, through the interpreter
+    for n in ns:
+      matmul_cases(run, impl, k, n, ms, configs, reps, interpret, cases)
   if "paged" not in skip:
     shape = (
       dict(b=2, n=4, kh=2, h=16, ps=4, m=4)

@@ -10,9 +10,14 @@ Three implementations of the one contract, chosen by `impl`:
   pallas_tpu  Mosaic TPU (`pltpu`): a (M / bm, N / bn, K / bk) grid whose K axis is
               "arbitrary", the partial products accumulated in a VMEM scratch block and rescaled
               once at the last K step
-  pallas_gpu  Triton: a (M / bm, N / bn) grid, each program looping over K in bk slices with
-              the accumulator in registers; blocks are powers of two of at least 16 (`tl.dot`'s
-              minimum: a decode step's few rows are padded to 16), `jaxrl.kernels.blocks`
+  pallas_gpu  Triton: a (M / bm, N / bn, split_k) grid, each program looping over its K / split_k
+              in bk slices with the accumulator in registers; blocks are powers of two of at
+              least 16 (`tl.dot`'s minimum: a decode step's few rows are padded to 16),
+              `jaxrl.kernels.blocks`. With split_k > 1 (split-K) each program adds its rescaled
+              partial product into a zeroed float32 output with an atomic add: at decode shapes
+              (M <= 64) the (M / bm, N / bn) grid alone can have far fewer programs than the
+              GPU has SMs, leaving most of the weight bandwidth unused; `split_k=None` picks
+              the split that brings the grid up to about one program per SM (`auto_split_k`)
 `auto` picks pallas_tpu on a TPU, pallas_gpu on a GPU and the reference elsewhere; `interpret`
 runs a Pallas variant through the Pallas interpreter on any backend (tests on CPU; about 0.1 ms a
 grid step, so keep grids small). Operands are zero-padded to whole blocks and the result cropped.
@@ -37,6 +42,11 @@ from jaxrl.kernels.blocks import gpu_block
 
 IMPLS = ("auto", "reference", "pallas_tpu", "pallas_gpu")
 _INT8 = jnp.dtype(jnp.int8)
+# Split-K's target grid: about one program per SM of an H100 / H200 (132). Measured on an H200
+# (docs/benchmarks.md) at M = 64, K = 4096: N = 4096 (32 tiles of 128) gains 1.5-1.7x from a
+# split of 4-8; N = 14336 (112 tiles) loses 1.4-1.6x from any split.
+_GPU_SMS = 132
+_MAX_SPLIT = 16
 
 
 def _acc_dtype(x_dtype, w_dtype):
@@ -85,19 +95,48 @@ def _gpu_kernel(x_ref, w_ref, xs_ref, ws_ref, o_ref, *, bk: int, acc):
   o_ref[...] = total.astype(jnp.float32) * xs_ref[...] * ws_ref[...]
 
 
+def _gpu_split_kernel(x_ref, w_ref, xs_ref, ws_ref, zero_ref, o_ref, *, bk: int, acc):
+  """One K / split_k slice of the product, rescaled, added atomically into the zeroed output
+  (`zero_ref` is the output's aliased input: the same buffer)."""
+  from jax.experimental.pallas import triton as pltriton
+
+  del zero_ref
+  steps = x_ref.shape[1] // bk
+
+  def body(i, total):
+    return total + _block_dot(x_ref[:, pl.ds(i * bk, bk)], w_ref[pl.ds(i * bk, bk), :], acc)
+
+  total = jax.lax.fori_loop(0, steps, body, jnp.zeros(o_ref.shape, acc))
+  part = total.astype(jnp.float32) * xs_ref[...] * ws_ref[...]
+  pltriton.atomic_add(o_ref, (slice(None), slice(None)), part)
+
+
+def auto_split_k(m: int, n: int, k: int, block: tuple[int, int, int]) -> int:
+  """The Triton kernel's K split for an [M, K] x [K, N] product with `block` = (bm, bn, bk): the
+  largest power of two (at most `_MAX_SPLIT`) that keeps the (M / bm, N / bn, split) grid
+  within `_GPU_SMS` programs and leaves every program at least two bk slices of K; 1 when the
+  tiles alone fill half the SMs (prefill, wide decode projections)."""
+  bm, bn, bk = (gpu_block(b, d) for b, d in zip(block, (m, n, k), strict=True))
+  programs = -(-m // bm) * -(-n // bn)
+  split = 1
+  while split < _MAX_SPLIT and programs * split * 2 <= _GPU_SMS and k >= 4 * bk * split:
+    split *= 2
+  return split
+
+
 def _pad(a, rows: int, cols: int):
   r, c = -a.shape[0] % rows, -a.shape[1] % cols
   return a if not (r or c) else jnp.pad(a, ((0, r), (0, c)))
 
 
-def _pallas(x, w, w_scale, x_scale, *, impl, block, interpret, launch=None):
+def _pallas(x, w, w_scale, x_scale, *, impl, block, interpret, launch=None, split_k=1):
   m, k = x.shape
   n = w.shape[1]
   if impl == "pallas_gpu":  # Triton: power-of-two blocks, >= 16 for tl.dot
     bm, bn, bk = (gpu_block(b, d) for b, d in zip(block, (m, n, k), strict=True))
   else:
     bm, bn, bk = (min(b, d) for b, d in zip(block, (m, n, k), strict=True))
-  x, w = _pad(x, bm, bk), _pad(w, bk, bn)
+  x, w = _pad(x, bm, bk * split_k), _pad(w, bk * split_k, bn)
   x_scale, w_scale = (
     _pad(x_scale.astype(jnp.float32), bm, 1),
     _pad(w_scale.astype(jnp.float32), 1, bn),
@@ -134,6 +173,26 @@ def _pallas(x, w, w_scale, x_scale, *, impl, block, interpret, launch=None):
     from jax.experimental.pallas import triton as pltriton
 
     warps, stages = launch or (None, None)
+    params = pltriton.CompilerParams(num_warps=warps, num_stages=stages)
+    if split_k > 1:
+      ks = kp // split_k
+      y = pl.pallas_call(
+        functools.partial(_gpu_split_kernel, bk=bk, acc=acc),
+        grid=(mp // bm, np_ // bn, split_k),
+        in_specs=[
+          pl.BlockSpec((bm, ks), lambda i, j, s: (i, s)),
+          pl.BlockSpec((ks, bn), lambda i, j, s: (s, j)),
+          pl.BlockSpec((bm, 1), lambda i, j, s: (i, 0)),
+          pl.BlockSpec((1, bn), lambda i, j, s: (0, j)),
+          pl.BlockSpec((bm, bn), lambda i, j, s: (i, j)),
+        ],
+        out_specs=pl.BlockSpec((bm, bn), lambda i, j, s: (i, j)),
+        out_shape=out_shape,
+        input_output_aliases={4: 0},
+        compiler_params=params,
+        interpret=interpret,
+      )(x, w, x_scale, w_scale, jnp.zeros((mp, np_), jnp.float32))
+      return y[:m, :n]
     y = pl.pallas_call(
       functools.partial(_gpu_kernel, bk=bk, acc=acc),
       grid=(mp // bm, np_ // bn),
@@ -145,7 +204,7 @@ def _pallas(x, w, w_scale, x_scale, *, impl, block, interpret, launch=None):
       ],
       out_specs=pl.BlockSpec((bm, bn), lambda i, j: (i, j)),
       out_shape=out_shape,
-      compiler_params=pltriton.CompilerParams(num_warps=warps, num_stages=stages),
+      compiler_params=params,
       interpret=interpret,
     )(x, w, x_scale, w_scale)
   return y[:m, :n]
@@ -161,15 +220,18 @@ def resolve_impl(impl: str) -> str:
   return {"tpu": "pallas_tpu", "gpu": "pallas_gpu"}.get(backend, "reference")
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
-def _quant_matmul(x, w, w_scale, x_scale, impl, block, interpret, launch):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8))
+def _quant_matmul(x, w, w_scale, x_scale, impl, block, interpret, launch, split_k):
   if impl == "reference":
     return reference(x, w, w_scale, x_scale)
-  return _pallas(x, w, w_scale, x_scale, impl=impl, block=block, interpret=interpret, launch=launch)
+  return _pallas(
+    x, w, w_scale, x_scale, impl=impl, block=block, interpret=interpret, launch=launch,
+    split_k=split_k,
+  )  # fmt: skip
 
 
-def _fwd(x, w, w_scale, x_scale, impl, block, interpret, launch):
-  y = _quant_matmul(x, w, w_scale, x_scale, impl, block, interpret, launch)
+def _fwd(x, w, w_scale, x_scale, impl, block, interpret, launch, split_k):
+  y = _quant_matmul(x, w, w_scale, x_scale, impl, block, interpret, launch, split_k)
   return y, (x, w, w_scale, x_scale)
 
 
@@ -180,7 +242,7 @@ def _no_grad(a):
   return jnp.zeros_like(a)
 
 
-def _bwd(impl, block, interpret, launch, res, dy):
+def _bwd(impl, block, interpret, launch, split_k, res, dy):
   x, w, w_scale, x_scale = res
   if jnp.dtype(x.dtype).itemsize > 1:  # W8A16: d/dx of (x @ w) * w_scale
     dx = ((dy * w_scale) @ w.astype(jnp.float32).T).astype(x.dtype)
@@ -202,13 +264,16 @@ def quant_matmul(
   block: tuple[int, int, int] = (128, 128, 128),
   interpret: bool = False,
   launch: tuple[int, int] | None = None,
+  split_k: int | None = None,
 ) -> jax.Array:
   """float32 [M, N] = (x @ w) * x_scale * w_scale (see the module docstring).
 
   x [M, K]: int8 / fp8 codes with x_scale [M] or [M, 1] (W8A8), or float with x_scale None
   (W8A16). w [K, N] int8 / fp8, w_scale [N] or [1, N]. block = (bm, bn, bk), clipped to the
   operands' sizes. launch = (num_warps, num_stages) of the Triton kernel (pallas_gpu; None:
-  Triton's defaults).
+  Triton's defaults). split_k: the Triton kernel's K split (None: `auto_split_k`; the TPU
+  kernel and the reference take 1). A split sums float32 partials in an unspecified order, so
+  int8 results are no longer bit-exact.
   """
   if x.ndim != 2 or w.ndim != 2 or x.shape[1] != w.shape[0]:
     raise ValueError(f"quant_matmul needs x [M, K] and w [K, N], got {x.shape} and {w.shape}")
@@ -224,4 +289,12 @@ def quant_matmul(
   w_scale = w_scale.reshape(1, n)
   launch = None if launch is None else tuple(launch)
   impl = resolve_impl(impl)
-  return _quant_matmul(x, w, w_scale, x_scale, impl, tuple(block), interpret, launch)
+  if impl != "pallas_gpu":
+    if split_k not in (None, 1):
+      raise ValueError(f"split_k={split_k} needs the Triton kernel (pallas_gpu), not {impl!r}")
+    split_k = 1
+  elif split_k is None:
+    split_k = auto_split_k(m, n, x.shape[1], tuple(block))
+  elif not (isinstance(split_k, int) and split_k >= 1 and split_k & (split_k - 1) == 0):
+    raise ValueError(f"split_k must be a power of two >= 1, got {split_k!r}")
+  return _quant_matmul(x, w, w_scale, x_scale, impl, tuple(block), interpret, launch, split_k)

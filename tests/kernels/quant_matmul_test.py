@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxrl.kernels.quant_matmul import quant_matmul, reference, resolve_impl
+from jaxrl.kernels.quant_matmul import auto_split_k, quant_matmul, reference, resolve_impl
 from jaxrl.quant import quantize, quantize_activations, quantized_einsum
 
 M, K, N = 10, 40, 24  # blocks (8, 16, 16): short edge blocks on every axis
@@ -112,6 +112,10 @@ def test_auto_is_the_reference_on_cpu_and_bad_inputs_are_named():
     quant_matmul(x.astype(jnp.float8_e4m3fn), w, ws, xs)
   with pytest.raises(ValueError, match="8-bit weight"):
     quant_matmul(x.astype(jnp.float32), w.astype(jnp.float32), ws)
+  with pytest.raises(ValueError, match="split_k=2 needs the Triton kernel"):
+    quant_matmul(x, w, ws, xs, impl="pallas_tpu", split_k=2)
+  with pytest.raises(ValueError, match="split_k must be a power of two"):
+    quant_matmul(x, w, ws, xs, impl="pallas_gpu", split_k=3)
 
 
 def _pallas_params(fn, *args) -> dict:
@@ -147,3 +151,43 @@ def test_the_triton_launch_reaches_the_compiler_and_changes_nothing_else():
   np.testing.assert_array_equal(
     np.asarray(run((8, 3))(x, w, ws, xs)), np.asarray(run(None)(x, w, ws, xs))
   )
+
+
+@pytest.mark.parametrize("split", [2, 4])
+@pytest.mark.parametrize("case", list(CASES))
+def test_the_split_k_kernel_matches_the_reference_in_interpret_mode(case, split):
+  # Each program adds its rescaled partial product into the zeroed output atomically: float32
+  # partials summed in any order, so int8 too is compared to float32 rounding (K = 40 padded to
+  # split x 16; the padding's zero codes add nothing).
+  x, w, ws, xs = _operands(case, seed=2)
+  want = np.asarray(quant_matmul(x, w, ws, xs, impl="reference"))
+  got = quant_matmul(x, w, ws, xs, impl="pallas_gpu", block=BLOCK, interpret=True, split_k=split)
+  assert got.shape == (M, N) and got.dtype == jnp.float32
+  np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-6 * np.abs(want).max())
+
+
+def test_auto_split_k_fills_the_gpu_at_decode_shapes_and_leaves_prefill_alone():
+  # Decode: one row block x 32 column blocks of 128 = 32 programs -> split 4 (128 programs, at
+  # most one per SM of 132; each 4096 / 4 = 8 slices of 128). 112 tiles (N = 14336) or a
+  # prefill's 32 x 32 fill the SMs already -> 1. A split only doubles while each part keeps at
+  # least two bk slices: K = 256 (two slices of 128) -> 1.
+  assert auto_split_k(64, 4096, 4096, (128, 128, 128)) == 4
+  assert auto_split_k(64, 14336, 4096, (128, 128, 128)) == 1
+  assert auto_split_k(4096, 4096, 4096, (128, 128, 128)) == 1
+  assert auto_split_k(64, 2048, 2048, (128, 128, 128)) == 8  # 16 programs -> 128
+  assert auto_split_k(64, 4096, 256, (128, 128, 128)) == 1
+  assert auto_split_k(8, 16, 8192, (128, 128, 128)) == 16  # one program; capped at 16
+  # With the default (split_k=None) the Triton call takes the auto split as its third grid axis.
+  rng = np.random.default_rng(4)
+  q = quantize(jnp.asarray(rng.normal(size=(256, 16)).astype(np.float32)), 1, jnp.float8_e4m3fn)
+  x = jnp.asarray(rng.normal(size=(2, 256)), jnp.float32)
+  xq, xs = quantize_activations(x, (1,), q.values.dtype)
+
+  def run(*a):
+    return quant_matmul(*a, impl="pallas_gpu", block=(16, 16, 16), interpret=True)
+
+  assert auto_split_k(2, 16, 256, (16, 16, 16)) == 8
+  assert _pallas_params(run, xq, q.values, q.scale, xs)["grid_mapping"].grid == (1, 1, 8)
+  want = quant_matmul(xq, q.values, q.scale, xs, impl="reference")
+  np.testing.assert_allclose(np.asarray(run(xq, q.values, q.scale, xs)), np.asarray(want),
+                             rtol=1e-5, atol=1e-6 * float(jnp.abs(want).max()))  # fmt: skip
