@@ -14,7 +14,8 @@ HEAD (uncommitted changes do not travel: the run is reproducible from its commit
 remote command records as JAXRL_COMMIT). `launch/tpu/run.sh` and `launch/gpu/run.sh` wrap this.
 
 One process per host drives one host's devices. A slice of more than one host needs JAX's
-multi-controller runtime (`jax.distributed`), which jaxrl does not initialise yet: `tpu`
+multi-controller runtime (`jax.distributed`); `jaxrl.distributed` joins it and the learner's
+step runs across processes, but the RL job (rollouts, rewards, checkpoints) does not yet: `tpu`
 refuses an accelerator type it knows to span several hosts, naming the single-host types.
 """
 
@@ -76,7 +77,7 @@ def tpu_commands(args, commit: str) -> list[list[str]]:
   if not SINGLE_HOST.match(args.accelerator):
     raise LaunchError(
       f"--accelerator={args.accelerator} spans several hosts; jaxrl runs one process per host "
-      "and does not initialise jax.distributed yet, so only single-host slices are supported: "
+      "and the RL job does not run across processes yet, so only single-host slices are supported: "
       "v2-8, v3-8, v4-8, v5p-8, v5litepod-1/4/8, v6e-1/4/8"
     )
   where = ["--zone", args.zone] + (["--project", args.project] if args.project else [])

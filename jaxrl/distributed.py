@@ -1,0 +1,129 @@
+"""Multi-process runs on JAX's multi-controller runtime: one Python process per host, every
+process running the same program over one global mesh (the runtime Cloud TPU pods and multi-GPU
+clusters use; no scheduler of our own).
+
+  initialize(coordinator, num_processes, process_id)   jax.distributed, before any other jax
+                                                       call; 'auto' lets JAX detect the cluster
+  process_rows(sharding, rows)                         the global rows this process supplies
+  put_process_local(tree, sharding, rows)              one global array per leaf from each
+                                                       process's own rows: no process holds, or
+                                                       reads, another's share of a batch
+  to_host(tree)                                        numpy copies of global arrays, gathered
+                                                       from every process where they are split
+
+Params built the same way on every process (same seed, or a checkpoint) go to the mesh with a
+plain `jax.device_put` onto their global shardings (`jaxrl.mesh.shard_params`): each process
+fills its own devices' shards. The learner's train step (`jaxrl.rl.train_step`) is one jitted
+program over the global mesh and needs nothing else: `tests/multihost_test.py` runs it in two
+processes of two CPU devices each and gets the losses and updates of one process with four.
+The RL Trainer (rollouts, rewards, evaluation, checkpoints) still runs in one process.
+
+On CPU the processes exchange data through gloo (`jax_cpu_collectives_implementation`), which
+`initialize` selects; GPUs and TPUs use their own collectives.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Sharding
+
+PROCESS_ID_ENV = "JAXRL_PROCESS_ID"
+
+
+def initialize(
+  coordinator: str = "", num_processes: int = 1, process_id: int | None = None
+) -> bool:
+  """Join a multi-process run; returns whether one was joined (False: one process, nothing to
+  do). `coordinator` is process 0's "host:port" (every process passes the same), or "auto" for
+  JAX's own detection of the cluster (Cloud TPU VMs, SLURM, ...; the other two arguments are
+  then left to it). `process_id` None reads `JAXRL_PROCESS_ID` from the environment, so every
+  worker can run the same command. Call it before anything else touches jax's devices."""
+  if coordinator == "auto":
+    _cpu_collectives()
+    jax.distributed.initialize()
+    return True
+  if not coordinator:
+    if num_processes != 1:
+      raise ValueError(
+        f"num_processes={num_processes} needs a coordinator ('host:port' of process 0, or 'auto')"
+      )
+    return False
+  host, _, port = coordinator.rpartition(":")
+  if not host or not port.isdigit():
+    raise ValueError(f"coordinator={coordinator!r} must be 'host:port' (or 'auto')")
+  if not (isinstance(num_processes, int) and num_processes >= 2):
+    raise ValueError(f"num_processes={num_processes!r} must be an integer >= 2 with a coordinator")
+  if process_id is None:
+    raw = os.environ.get(PROCESS_ID_ENV, "")
+    if not raw.isdigit():
+      raise ValueError(
+        f"no process_id given and {PROCESS_ID_ENV}={raw!r} is not a process index "
+        f"(0..{num_processes - 1})"
+      )
+    process_id = int(raw)
+  if not (isinstance(process_id, int) and 0 <= process_id < num_processes):
+    raise ValueError(f"process_id={process_id!r} must be in 0..{num_processes - 1}")
+  _cpu_collectives()
+  jax.distributed.initialize(
+    coordinator_address=coordinator, num_processes=num_processes, process_id=process_id
+  )
+  return True
+
+
+def _cpu_collectives() -> None:
+  """gloo for cross-process collectives on CPU (jax's default CPU client has none); the option
+  only concerns the CPU client, so it is harmless where the devices are GPUs or TPUs."""
+  if jax.config.jax_cpu_collectives_implementation in (None, "", "none"):
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+
+
+def process_rows(sharding: Sharding, rows: int) -> np.ndarray:
+  """The indices of the rows (axis 0) of a [rows, ...] global array with `sharding` that live on
+  this process's devices, ascending. They are one contiguous range whenever the mesh lays the
+  processes out along the batch axis in order (as `jax.make_mesh` and `jaxrl.mesh.make_mesh` do);
+  anything else is refused, since the rows could not be supplied as one local block."""
+  index = sharding.addressable_devices_indices_map((rows,))
+  mine = sorted({i for (s,) in index.values() for i in range(*s.indices(rows))})
+  if mine != list(range(mine[0], mine[0] + len(mine))):
+    raise ValueError(
+      f"this process's rows {mine} are not one contiguous range under {sharding}: lay the "
+      "mesh's batch axes out process by process"
+    )
+  return np.asarray(mine, np.int64)
+
+
+def put_process_local(tree: Any, sharding: Sharding, rows: int) -> Any:
+  """Global [rows, ...] arrays sharded by `sharding` (rows along axis 0) from each process's
+  own rows (`process_rows(sharding, rows)`, in order): every leaf of `tree` holds only those.
+  In a single process it is `jax.device_put(tree, sharding)`."""
+  if jax.process_count() == 1:
+    return jax.device_put(tree, sharding)
+  want = len(process_rows(sharding, rows))
+
+  def put(x):
+    x = np.asarray(x)
+    if x.shape[0] != want:
+      raise ValueError(
+        f"this process supplies {want} of the {rows} rows, but a leaf has {x.shape[0]}"
+      )
+    return jax.make_array_from_process_local_data(sharding, x, (rows, *x.shape[1:]))
+
+  return jax.tree.map(put, tree)
+
+
+def to_host(tree: Any) -> Any:
+  """numpy copies of the leaves: an array whose shards all live in this process is read
+  directly; one split across processes is gathered from all of them (every process must call
+  this together)."""
+  from jax.experimental import multihost_utils
+
+  def get(x):
+    if not isinstance(x, jax.Array) or x.is_fully_addressable or x.is_fully_replicated:
+      return np.asarray(x if not isinstance(x, jax.Array) else jax.device_get(x))
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+  return jax.tree.map(get, tree)

@@ -1,0 +1,104 @@
+"""Two processes of two CPU devices each form one 4-device mesh (jax.distributed over gloo) and
+take the learner's train steps with the params and the batch split across them: the losses and
+the updates equal one process's with four devices; each process supplied only its own rows."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from jaxrl import distributed
+
+WORKER = Path(__file__).with_name("multihost_worker.py")
+
+
+def _free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def _start(out: Path, processes: int, devices_each: int) -> list[subprocess.Popen]:
+  out.mkdir()
+  env = os.environ | {
+    "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices_each}",
+    "JAX_PLATFORMS": "cpu",
+  }
+  cmd = [sys.executable, str(WORKER), f"--out={out}"]
+  if processes > 1:
+    cmd += [f"--coordinator=127.0.0.1:{_free_port()}", f"--num-processes={processes}"]
+  return [
+    subprocess.Popen(
+      cmd,
+      env=env | {distributed.PROCESS_ID_ENV: str(i)},
+      stdout=subprocess.PIPE,
+      stderr=subprocess.STDOUT,
+      text=True,
+    )  # fmt: skip
+    for i in range(processes)
+  ]
+
+
+def _results(out: Path, procs: list[subprocess.Popen]) -> list[dict]:
+  try:
+    logs = [p.communicate(timeout=600)[0] for p in procs]
+  finally:
+    for p in procs:
+      p.kill()
+  for p, log in zip(procs, logs, strict=True):
+    assert p.returncode == 0, log[-3000:]
+  return [json.loads((out / f"p{i}.json").read_text()) for i in range(len(procs))]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+  base = tmp_path_factory.mktemp("multihost")
+  one, two = _start(base / "one", 1, 4), _start(base / "two", 2, 2)  # all three at once
+  return _results(base / "one", one), _results(base / "two", two)
+
+
+def test_two_processes_form_one_mesh_and_split_the_rows(runs):
+  (one,), two = runs
+  assert not one["joined"] and one["process_count"] == 1 and one["rows"] == list(range(16))
+  for i, p in enumerate(two):
+    assert p["joined"] and p["process_count"] == 2
+    assert (p["devices"], p["local_devices"]) == (4, 2)
+    assert p["rows"] == list(range(8 * i, 8 * i + 8))  # its own half of the batch, no more
+    assert p["params_split_across_processes"] > 0  # FSDP over both hosts' devices
+    assert p["compiles"] == 1
+  assert one["params_split_across_processes"] == 0
+
+
+def test_two_processes_take_the_steps_of_one(runs):
+  (one,), two = runs
+  for p in two:  # every process sees the same (replicated) metrics and gathered params
+    for step_one, step_two in zip(one["metrics"], p["metrics"], strict=True):
+      for key in ("rl/loss", "rl/kl", "rl/pg_loss", "rl/entropy", "opt/grad_norm"):
+        np.testing.assert_allclose(step_two[key], step_one[key], rtol=1e-5, atol=1e-6, err_msg=key)
+    assert p["deltas"].keys() == one["deltas"].keys()
+    for name, want in one["deltas"].items():
+      # Two SGD steps' updates, per leaf, relative to the leaf's largest update (float32 sums
+      # in another order across the processes' shards), as in train_step_sharded_test.
+      want, got = np.asarray(want), np.asarray(p["deltas"][name])
+      assert np.abs(want).max() > 0, name
+      np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max(), err_msg=name)
+
+
+def test_initialize_names_what_is_wrong(monkeypatch):
+  assert distributed.initialize() is False  # one process: nothing to join
+  with pytest.raises(ValueError, match="num_processes=2 needs a coordinator"):
+    distributed.initialize("", 2)
+  with pytest.raises(ValueError, match="must be 'host:port'"):
+    distributed.initialize("localhost", 2, 0)
+  with pytest.raises(ValueError, match="num_processes=1 must be an integer >= 2"):
+    distributed.initialize("localhost:1234", 1, 0)
+  with pytest.raises(ValueError, match=r"process_id=2 must be in 0\.\.1"):
+    distributed.initialize("localhost:1234", 2, 2)
+  monkeypatch.setenv(distributed.PROCESS_ID_ENV, "x")
+  with pytest.raises(ValueError, match="JAXRL_PROCESS_ID='x' is not a process index"):
+    distributed.initialize("localhost:1234", 2)

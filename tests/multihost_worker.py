@@ -1,0 +1,103 @@
+"""One process of tests/multihost_test.py: join the run, build the tiny model on a 4-device mesh
+(fsdp over every device, so params and the batch are split across the processes), supply only
+this process's rows of a 16-row GRPO batch, take two train steps, write what it saw.
+
+  python tests/multihost_worker.py --out=DIR [--coordinator=HOST:PORT --num-processes=N]
+  (the process index comes from JAXRL_PROCESS_ID; XLA_FLAGS sets the devices per process)
+"""
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from jaxrl import distributed  # noqa: E402  (before anything else touches jax's devices)
+
+ROWS, LENGTH = 16, 12
+
+
+def _row(i: int, vocab: int) -> dict:
+  """Row i of the global batch, drawn from its own seed: a process makes only the rows it owns."""
+  import numpy as np
+
+  rng = np.random.default_rng([7, i])
+  loss_mask = np.zeros(LENGTH, np.float32)
+  loss_mask[6:] = 1.0
+  valid = np.ones(LENGTH, bool)
+  if i % 3 == 0:
+    valid[:2] = False  # left padding
+  return {
+    "tokens": rng.integers(3, vocab, LENGTH).astype(np.int32),
+    "valid": valid,
+    "loss_mask": loss_mask,
+    "advantages": (rng.normal() * loss_mask).astype(np.float32),
+    "old_logprobs": ((-3.0 + 0.3 * rng.normal(size=LENGTH)) * loss_mask).astype(np.float32),
+    "ref_logprobs": ((-3.0 + 0.3 * rng.normal(size=LENGTH)) * loss_mask).astype(np.float32),
+    "versions": np.zeros(LENGTH, np.int32),
+  }
+
+
+def main() -> None:
+  ap = argparse.ArgumentParser()
+  ap.add_argument("--out", required=True)
+  ap.add_argument("--coordinator", default="")
+  ap.add_argument("--num-processes", type=int, default=1)
+  args = ap.parse_args()
+  joined = distributed.initialize(args.coordinator, args.num_processes)
+
+  import jax
+  import numpy as np
+  import optax
+
+  from jaxrl.config import KLConfig
+  from jaxrl.mesh import get_rules, make_mesh, named_sharding, shard_params
+  from jaxrl.models import ModelConfig
+  from jaxrl.models.transformer import make_model
+  from jaxrl.rl.batch import TrainBatch
+  from jaxrl.rl.objectives import PolicyLoss
+  from jaxrl.rl.train_step import Optimizer, init_state, make_train_step
+
+  cfg = ModelConfig.tiny()
+  graphdef, params = make_model(cfg, seed=3)
+  init = jax.tree.map(np.asarray, params)
+  rules = get_rules("fsdp_tp")
+  mesh = make_mesh(data=1, fsdp=-1, tensor=1)
+  params = shard_params(params, mesh, rules)
+  sharding = named_sharding(mesh, ("batch",), rules)
+  rows = distributed.process_rows(sharding, ROWS)
+  mine = [_row(int(i), cfg.vocab_size) for i in rows]
+  local = TrainBatch(**{k: np.stack([r[k] for r in mine]) for k in mine[0]})
+  batch = distributed.put_process_local(local, sharding, ROWS)
+  opt = Optimizer(optax.sgd(0.5), lambda s: 0.5)
+  step = make_train_step(opt, PolicyLoss(graphdef, kl=KLConfig(beta=0.1)), num_microbatches=2)
+  state = init_state(params, opt)
+  metrics = []
+  for _ in range(2):
+    state, m = step(state, batch)
+    metrics.append({k: float(v) for k, v in distributed.to_host(m).items()})
+  final = distributed.to_host(state.params)
+  deltas = {
+    jax.tree_util.keystr(path): (np.asarray(b, np.float64) - a).tolist()
+    for (path, a), b in zip(
+      jax.tree_util.tree_flatten_with_path(init)[0], jax.tree.leaves(final), strict=True
+    )
+  }
+  split = sum(not x.is_fully_addressable for x in jax.tree.leaves(state.params))
+  out = Path(args.out) / f"p{jax.process_index()}.json"
+  out.write_text(json.dumps({
+    "joined": joined,
+    "process_count": jax.process_count(),
+    "devices": jax.device_count(),
+    "local_devices": jax.local_device_count(),
+    "rows": rows.tolist(),
+    "params_split_across_processes": split,
+    "metrics": metrics,
+    "deltas": deltas,
+    "compiles": step._cache_size(),
+  }))  # fmt: skip
+
+
+if __name__ == "__main__":
+  main()
