@@ -11,12 +11,14 @@ clusters use; no scheduler of our own).
   to_host(tree)                                        numpy copies of global arrays, gathered
                                                        from every process where they are split
 
-Params built the same way on every process (same seed, or a checkpoint) go to the mesh with a
-plain `jax.device_put` onto their global shardings (`jaxrl.mesh.shard_params`): each process
-fills its own devices' shards. The learner's train step (`jaxrl.rl.train_step`) is one jitted
-program over the global mesh and needs nothing else: `tests/multihost_test.py` runs it in two
-processes of two CPU devices each and gets the losses and updates of one process with four.
-The RL Trainer (rollouts, rewards, evaluation, checkpoints) still runs in one process.
+Params built the same way on every process (same seed) go to the mesh with a plain
+`jax.device_put` onto their global shardings (`jaxrl.mesh.shard_params`): each process fills its
+own devices' shards. An HF checkpoint (`jaxrl.models.hf.load_hf_checkpoint` with a mesh) is read
+block by block: each process reads only its devices' rows and columns of each tensor. The
+learner's train step (`jaxrl.rl.train_step`) is one jitted program over the global mesh and
+needs nothing else: `tests/multihost_test.py` runs both in two processes of two CPU devices
+each and gets the params, losses and updates of one process with four. The RL Trainer
+(rollouts, rewards, evaluation, checkpoints) still runs in one process.
 
 On CPU the processes exchange data through gloo (`jax_cpu_collectives_implementation`), which
 `initialize` selects; GPUs and TPUs use their own collectives.

@@ -1,6 +1,8 @@
 """Two processes of two CPU devices each form one 4-device mesh (jax.distributed over gloo) and
 take the learner's train steps with the params and the batch split across them: the losses and
-the updates equal one process's with four devices; each process supplied only its own rows."""
+the updates equal one process's with four devices; each process supplied only its own rows. Both
+load an HF checkpoint onto that mesh first: each process reads only its devices' blocks of the
+weights, and the params are those one process loads."""
 
 import json
 import os
@@ -23,13 +25,28 @@ def _free_port() -> int:
     return s.getsockname()[1]
 
 
-def _start(out: Path, processes: int, devices_each: int) -> list[subprocess.Popen]:
+def _checkpoint(path: Path) -> Path:
+  """A tiny random Qwen2 (biases: the FLAT transform too) saved as an HF checkpoint directory."""
+  import torch
+  import transformers
+
+  cfg = transformers.Qwen2Config(
+    vocab_size=131, hidden_size=48, intermediate_size=82, num_hidden_layers=2,
+    num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=64,
+    tie_word_embeddings=False,
+  )  # fmt: skip
+  torch.manual_seed(0)
+  transformers.AutoModelForCausalLM.from_config(cfg).float().save_pretrained(path)
+  return path
+
+
+def _start(out: Path, processes: int, devices_each: int, hf: Path) -> list[subprocess.Popen]:
   out.mkdir()
   env = os.environ | {
     "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices_each}",
     "JAX_PLATFORMS": "cpu",
   }
-  cmd = [sys.executable, str(WORKER), f"--out={out}"]
+  cmd = [sys.executable, str(WORKER), f"--out={out}", f"--hf={hf}"]
   if processes > 1:
     cmd += [f"--coordinator=127.0.0.1:{_free_port()}", f"--num-processes={processes}"]
   return [
@@ -58,7 +75,8 @@ def _results(out: Path, procs: list[subprocess.Popen]) -> list[dict]:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
   base = tmp_path_factory.mktemp("multihost")
-  one, two = _start(base / "one", 1, 4), _start(base / "two", 2, 2)  # all three at once
+  hf = _checkpoint(base / "hf")
+  one, two = _start(base / "one", 1, 4, hf), _start(base / "two", 2, 2, hf)  # all three at once
   return _results(base / "one", one), _results(base / "two", two)
 
 
@@ -87,6 +105,19 @@ def test_two_processes_take_the_steps_of_one(runs):
       want, got = np.asarray(want), np.asarray(p["deltas"][name])
       assert np.abs(want).max() > 0, name
       np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max(), err_msg=name)
+
+
+def test_each_process_reads_only_its_share_of_the_hf_weights(runs):
+  (one,), two = runs
+  # One process holds every block of every param (4 devices) and reads each distinct one once.
+  assert one["hf"]["read"] == one["hf"]["held"] and one["hf"]["split"] == 0
+  for p in two:
+    h = p["hf"]
+    assert h["split"] > 0  # FSDP over both processes' devices
+    assert h["read"] == h["held"] < one["hf"]["read"]  # its own devices' blocks, no more
+    assert h["hashes"] == one["hf"]["hashes"]  # gathered, the same params bit for bit
+  # Replicated params (norms) are read by both; the split ones are shared between them.
+  assert one["hf"]["read"] < two[0]["hf"]["read"] + two[1]["hf"]["read"] < 2 * one["hf"]["read"]
 
 
 def test_initialize_names_what_is_wrong(monkeypatch):

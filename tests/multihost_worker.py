@@ -1,8 +1,10 @@
 """One process of tests/multihost_test.py: join the run, build the tiny model on a 4-device mesh
 (fsdp over every device, so params and the batch are split across the processes), supply only
-this process's rows of a 16-row GRPO batch, take two train steps, write what it saw.
+this process's rows of a 16-row GRPO batch, take two train steps, write what it saw. With --hf,
+first load that HF checkpoint onto the same mesh, counting what this process reads of it.
 
   python tests/multihost_worker.py --out=DIR [--coordinator=HOST:PORT --num-processes=N]
+                                   [--hf=CHECKPOINT_DIR]
   (the process index comes from JAXRL_PROCESS_ID; XLA_FLAGS sets the devices per process)
 """
 
@@ -44,6 +46,7 @@ def main() -> None:
   ap.add_argument("--out", required=True)
   ap.add_argument("--coordinator", default="")
   ap.add_argument("--num-processes", type=int, default=1)
+  ap.add_argument("--hf", default="")
   args = ap.parse_args()
   joined = distributed.initialize(args.coordinator, args.num_processes)
 
@@ -59,6 +62,7 @@ def main() -> None:
   from jaxrl.rl.objectives import PolicyLoss
   from jaxrl.rl.train_step import Optimizer, init_state, make_train_step
 
+  hf = _load_hf(args.hf) if args.hf else None
   cfg = ModelConfig.tiny()
   graphdef, params = make_model(cfg, seed=3)
   init = jax.tree.map(np.asarray, params)
@@ -96,7 +100,54 @@ def main() -> None:
     "metrics": metrics,
     "deltas": deltas,
     "compiles": step._cache_size(),
+    "hf": hf,
   }))  # fmt: skip
+
+
+def _load_hf(path: str) -> dict:
+  """Load the checkpoint onto a 4-device fsdp mesh; what this process read of its tensors, what
+  its devices hold (distinct blocks), and a hash of every param gathered whole."""
+  import hashlib
+
+  import jax
+  import numpy as np
+
+  from jaxrl.mesh import get_rules, make_mesh
+  from jaxrl.models import hf
+
+  read, counted = [0], hf.read_block
+
+  class Counting:
+    def __init__(self, lazy):
+      self.lazy = lazy
+
+    def __getitem__(self, key):
+      x = self.lazy[key]
+      read[0] += x.size
+      return x
+
+  hf.read_block = lambda kind, lazy, slot, index: counted(kind, Counting(lazy), slot, index)
+  _, _, params = hf.load_hf_checkpoint(
+    path, mesh=make_mesh(data=1, fsdp=-1, tensor=1), rules=get_rules("fsdp_tp")
+  )
+  hf.read_block = counted
+  leaves = jax.tree.leaves(params)
+  held = 0
+  for x in leaves:
+    seen = {
+      tuple(s.indices(n)[:2] for s, n in zip(index, x.shape, strict=True))
+      for index in x.sharding.addressable_devices_indices_map(x.shape).values()
+    }
+    held += sum(int(np.prod([b - a for a, b in key])) for key in seen)
+  hashes = [hashlib.sha256(np.ascontiguousarray(a).tobytes()).hexdigest()
+            for a in distributed.to_host(leaves)]  # fmt: skip
+  return {
+    "read": read[0],
+    "held": held,
+    "total": sum(x.size for x in leaves),
+    "split": sum(not x.is_fully_addressable for x in leaves),
+    "hashes": hashes,
+  }
 
 
 if __name__ == "__main__":

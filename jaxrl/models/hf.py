@@ -4,6 +4,7 @@ shardings, export); the config translation is `jaxrl.models.hf_config`, re-expor
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
 import math
 import os
@@ -149,6 +150,75 @@ def _to_hf(kind: str, x: np.ndarray) -> np.ndarray:
   return np.ascontiguousarray(x.reshape(math.prod(x.shape[:n]), -1).T)
 
 
+def _span(index: tuple[slice, ...], shape: tuple[int, ...]) -> tuple[int, int] | None:
+  """The [start, stop) range of C-order flat positions that the box `index` of an array of
+  `shape` covers, when it is one contiguous range (leading dims of extent 1, then one partial
+  dim, then whole dims); None otherwise."""
+  bounds = [s.indices(n)[:2] for s, n in zip(index, shape, strict=True)]
+  extents = [b - a for a, b in bounds]
+  partial = [i for i, (e, n) in enumerate(zip(extents, shape, strict=True)) if e != n]
+  if partial and any(e != 1 for e in extents[: partial[-1]]):
+    return None
+  strides = [math.prod(shape[i + 1 :]) for i in range(len(shape))]
+  start = sum(a * st for (a, _), st in zip(bounds, strides, strict=True))
+  return start, start + math.prod(extents)
+
+
+def read_block(kind: str, lazy, slot: tuple[int, ...], index: tuple[slice, ...]) -> np.ndarray:
+  """The block `index` of a jaxrl param of shape `slot`, read from its HF tensor through
+  safetensors' lazy slice `lazy`: only the HF rows and columns (or the bias range) under that
+  block, when they form one rectangle (every sharding of the rules tables); else the whole
+  tensor, then cut."""
+  block = tuple(b - a for a, b in (s.indices(n)[:2] for s, n in zip(index, slot, strict=True)))
+  if kind == COPY:
+    return lazy[index]
+  if kind == FLAT:
+    span = _span(index, slot)
+    if span is not None:
+      return lazy[span[0] : span[1]].reshape(block)
+  else:
+    n = _LINEAR_IN_DIMS[kind]
+    cols, rows = _span(index[:n], slot[:n]), _span(index[n:], slot[n:])
+    if cols is not None and rows is not None:
+      return lazy[rows[0] : rows[1], cols[0] : cols[1]].T.reshape(block)
+  return _to_jaxrl(kind, lazy[:], slot)[index]
+
+
+def _put_param(shape, dtype, sharding, sources) -> jax.Array:
+  """One param on `sharding` (None: the default device), each device's block read from its HF
+  tensor(s) on its own (a process reads only its devices' blocks; devices holding the same block
+  share one read). `sources`: {expert or None: (name, file, kind, lazy slice)}."""
+
+  def block(index):
+    index = tuple(index) + (slice(None),) * (len(shape) - len(index))
+    try:
+      if None in sources:
+        _, _, kind, lazy = sources[None]
+        x = read_block(kind, lazy, shape, index)
+      else:  # per-expert tensors stacked on the leading axis
+        parts = []
+        for e in range(*index[0].indices(shape[0])):
+          _, _, kind, lazy = sources[e]
+          parts.append(read_block(kind, lazy, shape[1:], index[1:]))
+        x = np.stack(parts)
+    except Exception as err:
+      name, file = next(iter(sources.values()))[:2]
+      raise CheckpointFileError(f"cannot read tensor {name} from {file}: {err}") from err
+    return np.asarray(x).astype(dtype)
+
+  if sharding is None:
+    return jax.device_put(block(()))
+  cache: dict[tuple, np.ndarray] = {}
+
+  def cached(index):
+    key = tuple(s.indices(n)[:2] for s, n in zip(index, shape, strict=False))
+    if key not in cache:
+      cache[key] = block(index)
+    return cache[key]
+
+  return jax.make_array_from_callback(shape, sharding, cached)
+
+
 def weight_plan(
   cfg: ModelConfig, params: nnx.State, weight_map: tuple[WeightRule, ...]
 ) -> dict[str, tuple[str, str, int | None]]:
@@ -216,8 +286,10 @@ def load_hf_checkpoint(
 ) -> tuple[ModelConfig, nnx.GraphDef, nnx.State]:
   """Reads an HF checkpoint directory (config.json + safetensors, single or sharded).
 
-  With `mesh` and `rules` each tensor goes straight to its own sharding as it is read, so the
-  whole model never sits on one device. `dtype` overrides the checkpoint's param/compute dtype.
+  With `mesh` and `rules` each device's block of a param is read from the file on its own
+  (`jax.make_array_from_callback`; only the HF rows and columns under it, `read_block`), so no
+  device, and no process of a multi-process run, holds or reads more of the model than its
+  devices keep. `dtype` overrides the checkpoint's param/compute dtype.
   `lora` ({"lora_rank": r, "lora_alpha": ..., "lora_targets": ...}, ModelConfig fields) adds
   fresh adapters to the loaded base: A drawn from `lora_seed`, B zero, so logits are the base's.
   `execution` ({"scan_layers": ..., "remat": ..., and the kernel choices of
@@ -270,38 +342,33 @@ def load_hf_checkpoint(
     sharded = param_shardings(abstract, mesh, rules)
     for p, v in jax.tree_util.tree_flatten_with_path(sharded, is_leaf=_is_variable)[0]:
       shardings[path_str(p)] = v.get_value()
+  # target param -> its tensors: [(expert or None, HF name)], experts in order
+  tensors: dict[str, list[tuple[int | None, str]]] = collections.defaultdict(list)
+  for name, (target, _, expert) in plan.items():
+    tensors[target].append((expert, name))
   loaded = {}
-  # Per-expert tensors fill a host buffer that goes to its devices once its last expert is read.
-  stacks: dict[str, np.ndarray] = {}
-  pending = collections.Counter(target for target, _, e in plan.values() if e is not None)
-  by_file: dict[str, list[str]] = {}
-  for name in plan:
-    by_file.setdefault(files[name], []).append(name)
-  for file, names in by_file.items():
-    with _safe_open(file) as f:
-      for name in names:
-        target, kind, expert = plan[name]
-        var = targets[target]
-        shape = tuple(var.get_value().shape)
+  with contextlib.ExitStack() as stack:
+    opened = {file: stack.enter_context(_safe_open(file)) for file in sorted(set(files.values()))}
+    for target, entries in tensors.items():
+      var = targets[target]
+      shape, dtype = tuple(var.get_value().shape), var.get_value().dtype
+      sources = {}
+      for expert, name in sorted(entries, key=lambda e: -1 if e[0] is None else e[0]):
+        kind = plan[name][1]
         slot = shape if expert is None else shape[1:]
         try:
-          w = f.get_tensor(name)
+          lazy = opened[files[name]].get_slice(name)
+          hf_shape = tuple(lazy.get_shape())
         except Exception as e:
-          raise CheckpointFileError(f"cannot read tensor {name} from {file}: {e}") from e
-        if w.shape != _hf_shape(kind, slot):
+          raise CheckpointFileError(f"cannot read tensor {name} from {files[name]}: {e}") from e
+        if hf_shape != _hf_shape(kind, slot):
           where = "" if expert is None else f" (expert {expert})"
           raise ValueError(
-            f"checkpoint tensor {name} has shape {w.shape}; expected {_hf_shape(kind, slot)} "
+            f"checkpoint tensor {name} has shape {hf_shape}; expected {_hf_shape(kind, slot)} "
             f"for jaxrl param {target} {shape}{where}"
           )
-        x = _to_jaxrl(kind, w, slot).astype(var.get_value().dtype)
-        if expert is not None:
-          stacks.setdefault(target, np.empty(shape, x.dtype))[expert] = x
-          pending[target] -= 1
-          if pending[target]:
-            continue
-          x = stacks.pop(target)
-        loaded[target] = jax.device_put(x, shardings.get(target))
+        sources[expert] = (name, files[name], kind, lazy)
+      loaded[target] = _put_param(shape, dtype, shardings.get(target), sources)
   if cfg.lora_rank:
     loaded.update(_init_adapters(cfg, lora_seed, shardings))
   params = jax.tree_util.tree_map_with_path(
