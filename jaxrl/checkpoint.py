@@ -95,6 +95,10 @@ class Checkpointer:
         f"not writing checkpoint {step} to {self.directory}: the state holds NaN or inf "
         f"values; the checkpoints already there are left as they are"
       )
+    # Every process of a multi-process run calls this with the same state: orbax writes each
+    # global array's shards from the processes that hold them; a host-local array (the same on
+    # every process, e.g. the sampling key) goes as numpy.
+    state = jax.tree.map(lambda x: np.asarray(x) if _host_local(x) else x, state)
     # `force=True` because the save_every decision is ours; orbax's own interval policy
     # would otherwise skip steps it did not expect.
     return bool(
@@ -138,7 +142,10 @@ class Checkpointer:
       )
     step = int(step)
     step_dir = self.directory / str(step)
-    target = jax.tree.map(_as_abstract, abstract_state)
+    local = jax.tree.map(_host_local, abstract_state)
+    target = jax.tree.map(
+      lambda x, h: np.zeros(x.shape, x.dtype) if h else _as_abstract(x), abstract_state, local
+    )
     try:
       saved = self._manager.item_metadata(step).state
     except Exception as e:
@@ -160,7 +167,11 @@ class Checkpointer:
     except Exception as e:
       # Whatever the structural check above could not see: missing or corrupt array data.
       raise UnreadableCheckpointError(f"cannot restore checkpoint {step_dir}: {e}") from e
-    return restored.state, restored.meta
+    state = jax.tree.map(
+      lambda x, want, h: jax.device_put(x, want.sharding) if h else x,
+      restored.state, abstract_state, local,
+    )  # fmt: skip
+    return state, restored.meta
 
   def restore_newest_readable(self, abstract_state: Any, log=print) -> tuple[int, Any, dict] | None:
     """(step, state, meta) of the newest checkpoint that can be read; None if there is none.
@@ -260,6 +271,17 @@ class Checkpointer:
 def _first_line(e: Exception) -> str:
   text = str(e).strip().splitlines()
   return text[0] if text else type(e).__name__
+
+
+def _host_local(x: Any) -> bool:
+  """An array on this process's devices only, in a multi-process run (orbax saves global
+  arrays; such a leaf is saved and restored as numpy, then put back where it was)."""
+  if jax.process_count() == 1 or not isinstance(x, jax.Array | jax.ShapeDtypeStruct):
+    return False
+  sharding = getattr(x, "sharding", None)
+  return sharding is not None and all(
+    d.process_index == jax.process_index() for d in sharding.device_set
+  )
 
 
 def _as_abstract(x: Any) -> Any:

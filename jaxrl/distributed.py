@@ -4,6 +4,8 @@ clusters use; no scheduler of our own).
 
   initialize(coordinator, num_processes, process_id)   jax.distributed, before any other jax
                                                        call; 'auto' lets JAX detect the cluster
+  initialize_from_env()                                the same from JAXRL_COORDINATOR, ..._NUM_
+                                                       PROCESSES, ..._PROCESS_ID (launch.train)
   process_rows(sharding, rows)                         the global rows this process supplies
   put_process_local(tree, sharding, rows)              one global array per leaf from each
                                                        process's own rows: no process holds, or
@@ -17,8 +19,16 @@ own devices' shards. An HF checkpoint (`jaxrl.models.hf.load_hf_checkpoint` with
 block by block: each process reads only its devices' rows and columns of each tensor. The
 learner's train step (`jaxrl.rl.train_step`) is one jitted program over the global mesh and
 needs nothing else: `tests/multihost_test.py` runs both in two processes of two CPU devices
-each and gets the params, losses and updates of one process with four. The RL Trainer
-(rollouts, rewards, evaluation, checkpoints) still runs in one process.
+each and gets the params, losses and updates of one process with four.
+
+The RL job runs the same way (`launch.train` joins from the environment): every process runs the
+whole loop over one global mesh, the jitted steps split over all devices, and what comes back
+to the host (completions, a batch's live rows) is gathered (`to_host`), so each process holds
+the same rollouts and scores all of them; orbax writes each array's shards from the processes
+that hold them, and only process 0 writes metrics. The same test runs the default job's smoke
+in two processes and logs what one process logs. Not yet: per-process data reading and
+rewards scored only where the rows live (today every process reads and scores everything),
+and resuming a multi-process run (untested).
 
 On CPU the processes exchange data through gloo (`jax_cpu_collectives_implementation`), which
 `initialize` selects; GPUs and TPUs use their own collectives.
@@ -34,6 +44,8 @@ import numpy as np
 from jax.sharding import Sharding
 
 PROCESS_ID_ENV = "JAXRL_PROCESS_ID"
+COORDINATOR_ENV = "JAXRL_COORDINATOR"
+NUM_PROCESSES_ENV = "JAXRL_NUM_PROCESSES"
 
 
 def initialize(
@@ -74,6 +86,17 @@ def initialize(
     coordinator_address=coordinator, num_processes=num_processes, process_id=process_id
   )
   return True
+
+
+def initialize_from_env() -> bool:
+  """`initialize` from JAXRL_COORDINATOR ('host:port' or 'auto'; unset: one process),
+  JAXRL_NUM_PROCESSES and JAXRL_PROCESS_ID: what `python -m launch.train` does first, so the
+  same command runs on every worker with only the environment differing."""
+  coordinator = os.environ.get(COORDINATOR_ENV, "")
+  raw = os.environ.get(NUM_PROCESSES_ENV, "1" if coordinator in ("", "auto") else "")
+  if not raw.isdigit():
+    raise ValueError(f"{NUM_PROCESSES_ENV}={raw!r} must be the number of processes")
+  return initialize(coordinator, int(raw))
 
 
 def _cpu_collectives() -> None:

@@ -13,10 +13,11 @@ local GPU; the config's mesh spreads over them). The checkout travels as a `git 
 HEAD (uncommitted changes do not travel: the run is reproducible from its commit, which the
 remote command records as JAXRL_COMMIT). `launch/tpu/run.sh` and `launch/gpu/run.sh` wrap this.
 
-One process per host drives one host's devices. A slice of more than one host needs JAX's
-multi-controller runtime (`jax.distributed`); `jaxrl.distributed` joins it and the learner's
-step runs across processes, but the RL job (rollouts, rewards, checkpoints) does not yet: `tpu`
-refuses an accelerator type it knows to span several hosts, naming the single-host types.
+One process per host drives one host's devices. On a slice of several hosts every worker runs
+the same command with JAXRL_COMMIT and JAXRL_COORDINATOR=auto: `launch.train` joins JAX's
+multi-controller runtime (`jaxrl.distributed`; JAX finds the slice's workers itself) and the
+job runs over one global mesh of all their chips. That path is tested with processes on one
+CPU machine (tests/multihost_test.py), not on a TPU pod.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ ROOT = Path(__file__).resolve().parent.parent
 REMOTE_DIR = "jaxrl"  # under the remote user's home
 ARCHIVE = "jaxrl-src.tar.gz"
 # TPU VM accelerator types that are one host (TPU VM docs: v2-8, v3-8, v4-8, v5e up to 8 chips,
-# v5p-8, v6e up to 8 chips); larger slices have several workers.
+# v5p-8, v6e up to 8 chips); larger slices have several workers, one process each.
 SINGLE_HOST = re.compile(r"^(v2-8|v3-8|v4-8|v5p-8|v5litepod-(1|4|8)|v6e-(1|4|8))$")
 KNOWN_TPU = re.compile(r"^(v2|v3|v4|v5p|v5litepod|v6e)-\d+$")
 
@@ -74,12 +75,6 @@ def tpu_commands(args, commit: str) -> list[list[str]]:
       f"--accelerator={args.accelerator!r} is not a TPU VM accelerator type (e.g. v4-8, "
       "v5litepod-8, v5p-8, v6e-8)"
     )
-  if not SINGLE_HOST.match(args.accelerator):
-    raise LaunchError(
-      f"--accelerator={args.accelerator} spans several hosts; jaxrl runs one process per host "
-      "and the RL job does not run across processes yet, so only single-host slices are supported: "
-      "v2-8, v3-8, v4-8, v5p-8, v5litepod-1/4/8, v6e-1/4/8"
-    )
   where = ["--zone", args.zone] + (["--project", args.project] if args.project else [])
   tpu = ["gcloud", "compute", "tpus", "tpu-vm"]
   cmds = []
@@ -93,7 +88,8 @@ def tpu_commands(args, commit: str) -> list[list[str]]:
   cmds.append(scp)
   ssh = [*tpu, "ssh", args.name, *where, "--worker=all", "--command"]
   cmds.append([*ssh, _install_command("tpu")])
-  cmds.append([*ssh, _train_command(args, "", commit)])
+  multi = "" if SINGLE_HOST.match(args.accelerator) else "JAXRL_COORDINATOR=auto"
+  cmds.append([*ssh, _train_command(args, multi, commit)])
   return cmds
 
 

@@ -45,6 +45,18 @@ def test_tpu_dry_run_reaches_every_worker_with_the_config(capsys, monkeypatch):
   )
 
 
+@pytest.mark.parametrize(("accelerator", "multi"), [("v4-32", True), ("v5litepod-8", False)])
+def test_a_multi_host_slice_runs_one_process_per_worker_that_joins_jax_distributed(
+  accelerator, multi, capsys
+):
+  assert remote.main([*TPU[:3], f"--accelerator={accelerator}", "--dry-run"]) == 0
+  *_, train = _printed(capsys)
+  assert "--worker=all" in train
+  # launch.train joins from the environment (jaxrl.distributed.initialize_from_env); 'auto':
+  # JAX finds the slice's workers and this worker's index itself.
+  assert ("JAXRL_COORDINATOR=auto" in train[-1]) == multi
+
+
 def test_gpu_dry_run_targets_one_host_and_its_gpus(capsys):
   argv = ["gpu", "--host=me@box", "--gpus=0,1", "--config=configs/grpo_arith.py:smoke"]
   assert remote.main([*argv, "--dry-run"]) == 0
@@ -82,7 +94,6 @@ def test_a_real_run_executes_the_steps_in_order_and_stops_at_a_failure(tmp_path)
 @pytest.mark.parametrize(
   ("argv", "message"),
   [
-    ([*TPU[:3], "--accelerator=v4-32"], "v4-32 spans several hosts; jaxrl runs one process per"),
     ([*TPU[:3], "--accelerator=a100"], "'a100' is not a TPU VM accelerator type (e.g. v4-8"),
     (["gpu"], "gpu needs --host=[user@]hostname"),
     ([*TPU, "--config=configs/nope.py"], "--config='configs/nope.py': no such file in this"),

@@ -2,7 +2,8 @@
 take the learner's train steps with the params and the batch split across them: the losses and
 the updates equal one process's with four devices; each process supplied only its own rows. Both
 load an HF checkpoint onto that mesh first: each process reads only its devices' blocks of the
-weights, and the params are those one process loads."""
+weights, and the params are those one process loads. Then both run the default job's smoke
+(SFT, RL, evaluation, checkpoints) in one workdir and log what one process logs."""
 
 import json
 import os
@@ -46,7 +47,7 @@ def _start(out: Path, processes: int, devices_each: int, hf: Path) -> list[subpr
     "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices_each}",
     "JAX_PLATFORMS": "cpu",
   }
-  cmd = [sys.executable, str(WORKER), f"--out={out}", f"--hf={hf}"]
+  cmd = [sys.executable, str(WORKER), f"--out={out}", f"--hf={hf}", f"--trainer={out / 'run'}"]
   if processes > 1:
     cmd += [f"--coordinator=127.0.0.1:{_free_port()}", f"--num-processes={processes}"]
   return [
@@ -118,6 +119,46 @@ def test_each_process_reads_only_its_share_of_the_hf_weights(runs):
     assert h["hashes"] == one["hf"]["hashes"]  # gathered, the same params bit for bit
   # Replicated params (norms) are read by both; the split ones are shared between them.
   assert one["hf"]["read"] < two[0]["hf"]["read"] + two[1]["hf"]["read"] < 2 * one["hf"]["read"]
+
+
+def test_two_processes_run_the_default_jobs_smoke_as_one(runs, tmp_path_factory):
+  (one,), two = runs
+  base = Path(one["out"]).parent
+  logs = {}
+  for name in ("one", "two"):
+    run = base / name / "run"
+    logs[name] = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["rl", "sft"]
+  assert [r["phase"] for r in logs["two"]] == [r["phase"] for r in logs["one"]]
+  assert {"sft/loss", "rl/loss", "rl/entropy", "eval/accuracy"} <= {
+    k for r in logs["one"] for k in r
+  }
+  checked = 0
+  for a, b in zip(logs["one"], logs["two"], strict=True):
+    assert a.keys() == b.keys()
+    for key, want in a.items():
+      if key.startswith("time/") or not isinstance(want, float):
+        continue
+      np.testing.assert_allclose(b[key], want, rtol=1e-5, atol=1e-6, err_msg=key)
+      checked += 1
+  assert checked > 50
+  rl = [r for r in logs["one"] if "rl/loss" in r]
+  assert all(r["opt/grad_norm"] > 0 for r in rl)  # the steps really moved the params
+
+
+def test_launch_train_names_a_bad_multiprocess_environment(tmp_path):
+  env = os.environ | {distributed.COORDINATOR_ENV: "localhost:1234", "JAX_PLATFORMS": "cpu"}
+  env.pop(distributed.NUM_PROCESSES_ENV, None)
+  out = subprocess.run(
+    [sys.executable, "-m", "launch.train", "--config=configs/grpo_arith.py:smoke",
+     f"--config.workdir={tmp_path / 'run'}"],
+    env=env, capture_output=True, text=True, cwd=WORKER.parent.parent, timeout=300,
+  )  # fmt: skip
+  assert out.returncode != 0
+  assert out.stderr.strip().splitlines()[-1] == (
+    "error in environment: JAXRL_NUM_PROCESSES='' must be the number of processes"
+  )
+  assert not (tmp_path / "run").exists()
 
 
 def test_initialize_names_what_is_wrong(monkeypatch):

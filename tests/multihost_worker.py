@@ -1,10 +1,12 @@
 """One process of tests/multihost_test.py: join the run, build the tiny model on a 4-device mesh
 (fsdp over every device, so params and the batch are split across the processes), supply only
 this process's rows of a 16-row GRPO batch, take two train steps, write what it saw. With --hf,
-first load that HF checkpoint onto the same mesh, counting what this process reads of it.
+first load that HF checkpoint onto the same mesh, counting what this process reads of it. With
+--trainer, then run the default job's `:smoke` (4 SFT steps, 2 RL steps with an entropy bonus,
+so every step has a gradient) in that workdir, every process in the same one.
 
   python tests/multihost_worker.py --out=DIR [--coordinator=HOST:PORT --num-processes=N]
-                                   [--hf=CHECKPOINT_DIR]
+                                   [--hf=CHECKPOINT_DIR] [--trainer=WORKDIR]
   (the process index comes from JAXRL_PROCESS_ID; XLA_FLAGS sets the devices per process)
 """
 
@@ -47,6 +49,7 @@ def main() -> None:
   ap.add_argument("--coordinator", default="")
   ap.add_argument("--num-processes", type=int, default=1)
   ap.add_argument("--hf", default="")
+  ap.add_argument("--trainer", default="")
   args = ap.parse_args()
   joined = distributed.initialize(args.coordinator, args.num_processes)
 
@@ -89,8 +92,11 @@ def main() -> None:
     )
   }
   split = sum(not x.is_fully_addressable for x in jax.tree.leaves(state.params))
+  if args.trainer:
+    _trainer(args.trainer)
   out = Path(args.out) / f"p{jax.process_index()}.json"
   out.write_text(json.dumps({
+    "out": str(Path(args.out).resolve()),
     "joined": joined,
     "process_count": jax.process_count(),
     "devices": jax.device_count(),
@@ -148,6 +154,20 @@ def _load_hf(path: str) -> dict:
     "split": sum(not x.is_fully_addressable for x in leaves),
     "hashes": hashes,
   }
+
+
+def _trainer(workdir: str) -> None:
+  from jaxrl.config import config_module, validate
+  from jaxrl.rl.loop import Trainer
+
+  c = config_module(Path(__file__).resolve().parent.parent / "configs" / "grpo_arith.py")
+  c = c.get_config("smoke")
+  c.workdir, c.sft.steps, c.rl.steps, c.rl.loss.entropy_coef = workdir, 4, 2, 0.01
+  trainer = Trainer(validate(c))
+  try:
+    trainer.run()
+  finally:
+    trainer.close()
 
 
 if __name__ == "__main__":

@@ -9,6 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
+from jaxrl import distributed
+
 
 class TrainBatch(NamedTuple):
   """All fields are [B, T] with T = prompt bucket + max new tokens; column j of a per-token field
@@ -134,9 +136,10 @@ def gradient_rows(batch: TrainBatch) -> np.ndarray:
   With a loss that is the advantage times a factor on every token (each policy loss of
   jaxrl.rl.losses, no KL term in the loss, no entropy bonus, no off-policy correction), the other
   rows' loss terms and gradients are exactly zero: a group whose rewards all tie adds nothing to
-  the update but compute. Computed where the batch is; one explicit fetch of B booleans.
+  the update but compute. Computed where the batch is; one explicit fetch of B booleans
+  (gathered from every process of a multi-process run).
   """
-  return np.asarray(jax.device_get(_live_rows(batch.loss_mask, batch.advantages)))
+  return distributed.to_host(_live_rows(batch.loss_mask, batch.advantages))
 
 
 def compact_rows(

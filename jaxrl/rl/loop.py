@@ -277,7 +277,7 @@ class Trainer:
       self.run_rl(until)
     self.rl_ckpt.wait()
     self.metrics.flush()
-    if "accuracy_after_rl" in self.summary:
+    if "accuracy_after_rl" in self.summary and jax.process_index() == 0:  # one writer
       self.summary["wall_s"] = time.perf_counter() - t0
       (self.workdir / "summary.json").write_text(json.dumps(self.summary, indent=2))
       png = plot_curves(
