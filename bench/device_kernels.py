@@ -156,6 +156,16 @@ def _show(row: dict, extra: str = "") -> None:
     )
 
 
+def _activations(x32, x_dtype):
+  """(x as the kernel takes it, its per-row scales or None, the float32 values it stands for):
+  8-bit codes with scales (W8A8) or the float x itself (W8A16)."""
+  if jnp.dtype(x_dtype).itemsize == 1:
+    xq, xs = quantize_activations(x32, (1,), x_dtype)
+    return xq, xs, xq.astype(jnp.float32) * xs.reshape(-1, 1)
+  xq = x32.astype(x_dtype)
+  return xq, None, xq.astype(jnp.float32)
+
+
 def matmul_cases(
   run: Run, impl: str, k: int, n: int, ms, configs, reps: int, interpret: bool, cases=CASES
 ):
@@ -176,12 +186,7 @@ def matmul_cases(
     for case in cases:
       x_dtype, w_dtype = CASES[case]
       qs = [quantize(w, 1, w_dtype) for w in w32s]
-      if jnp.dtype(x_dtype).itemsize == 1:
-        xq, xs = quantize_activations(x32, (1,), x_dtype)
-        x_deq = xq.astype(jnp.float32) * xs.reshape(m, 1)
-      else:
-        xq, xs = x32.astype(x_dtype), None
-        x_deq = xq.astype(jnp.float32)
+      xq, xs, x_deq = _activations(x32, x_dtype)
       want = exact(x_deq, qs[0].values.astype(jnp.float32) * qs[0].scale.reshape(1, n))
       sets = [(xq, q.values, q.scale, xs) for q in qs]
       for block, launch, split in configs:
@@ -236,12 +241,7 @@ def odd_shape_cases(run: Run, impl: str, interpret: bool, shapes=ODD_SHAPES):
     w32 = jnp.asarray(rng.normal(size=(k, n)).astype(np.float32))
     for case, (x_dtype, w_dtype) in CASES.items():
       q = quantize(w32, 1, w_dtype)
-      if jnp.dtype(x_dtype).itemsize == 1:
-        xq, xs = quantize_activations(x32, (1,), x_dtype)
-        x_deq = xq.astype(jnp.float32) * xs.reshape(m, 1)
-      else:
-        xq, xs = x32.astype(x_dtype), None
-        x_deq = xq.astype(jnp.float32)
+      xq, xs, x_deq = _activations(x32, x_dtype)
       want = exact(x_deq, q.values.astype(jnp.float32) * q.scale.reshape(1, n))
       for split in (1, 2, 4, None) if impl == "pallas_gpu" else (None,):
 
