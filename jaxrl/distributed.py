@@ -28,7 +28,8 @@ the same rollouts and scores all of them; orbax writes each array's shards from 
 that hold them, and only process 0 writes metrics. The same test runs the default job's smoke
 in two processes and logs what one process logs. Not yet: per-process data reading and
 rewards scored only where the rows live (today every process reads and scores everything),
-and resuming a multi-process run (untested).
+and a test that a resumed multi-process run repeats an uninterrupted one (one resumed by hand:
+SFT restored, RL resumed from its checkpoint in both processes).
 
 On CPU the processes exchange data through gloo (`jax_cpu_collectives_implementation`), which
 `initialize` selects; GPUs and TPUs use their own collectives.

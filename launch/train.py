@@ -47,6 +47,11 @@ def main(argv):
   logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO
   # Imported here so that --help and flag errors do not pay for importing jax.
   from jaxrl import distributed
+
+  try:  # a multi-process run: every worker runs this command, the environment tells them apart.
+    distributed.initialize_from_env()  # before anything else can start jax's backends
+  except ValueError as e:
+    sys.exit(f"error in environment: {e}")
   from jaxrl.checkpoint import CheckpointError
   from jaxrl.config import ConfigError, validate
   from jaxrl.data.jsonl import RecordError
@@ -57,10 +62,6 @@ def main(argv):
   from jaxrl.rl.loop import Trainer
   from jaxrl.tokenizer import TokenizerFileError
 
-  try:  # a multi-process run: every worker runs this command, the environment tells them apart
-    distributed.initialize_from_env()
-  except ValueError as e:
-    sys.exit(f"error in environment: {e}")
   # A bad file or a failing reward ends the run on its own message, not a traceback.
   input_errors = (RecordError, TokenizerFileError, CheckpointFileError, CheckpointError)
   try:
