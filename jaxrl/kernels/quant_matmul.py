@@ -43,8 +43,8 @@ from jaxrl.kernels.blocks import gpu_block
 IMPLS = ("auto", "reference", "pallas_tpu", "pallas_gpu")
 _INT8 = jnp.dtype(jnp.int8)
 # Split-K's target grid: about one program per SM of an H100 / H200 (132). Measured on an H200
-# (docs/benchmarks.md) at M = 64, K = 4096: N = 4096 (32 tiles of 128) gains 1.5-1.7x from a
-# split of 4-8; N = 14336 (112 tiles) loses 1.4-1.6x from any split.
+# (docs/benchmarks.md) at M = 64, K = 4096: N = 4096 (32 tiles of 128) gains 1.5-2.0x from a
+# split of 4-8; N = 14336 (112 tiles) loses 1.4-2.6x from any split.
 _GPU_SMS = 132
 _MAX_SPLIT = 16
 
