@@ -12,6 +12,10 @@ clusters use; no scheduler of our own).
                                                        reads, another's share of a batch
   to_host(tree)                                        numpy copies of global arrays, gathered
                                                        from every process where they are split
+  share(n)                                             this process's contiguous part of n items
+  allgather_objects(obj)                               every process's `obj`, in process order
+  gather_shares(fn, n)                                 fn over this process's share of n items;
+                                                       every share's result, in process order
 
 Params built the same way on every process (same seed) go to the mesh with a plain
 `jax.device_put` onto their global shardings (`jaxrl.mesh.shard_params`): each process fills its
@@ -24,12 +28,18 @@ each and gets the params, losses and updates of one process with four.
 The RL job runs the same way (`launch.train` joins from the environment): every process runs the
 whole loop over one global mesh, the jitted steps split over all devices, and what comes back
 to the host (completions, a batch's live rows) is gathered (`to_host`), so each process holds
-the same rollouts and scores all of them; orbax writes each array's shards from the processes
-that hold them, and only process 0 writes metrics. The same test runs the default job's smoke
-in two processes and logs what one process logs. Not yet: per-process data reading and
-rewards scored only where the rows live (today every process reads and scores everything),
-and a test that a resumed multi-process run repeats an uninterrupted one (one resumed by hand:
-SFT restored, RL resumed from its checkpoint in both processes).
+the same rollouts. The host work is split: each process reads only its share of every prompt
+batch (`jaxrl.data.stream`: its records' parsing or generation) and scores only its share of
+every batch of completions (`jaxrl.rl.run.Run.score`); the records and the rewards are then
+exchanged (`allgather_objects`, a few KiB per step), since every process drives the same
+engine program over all the requests. A reward function that fails in one process fails the
+step in all of them, with that process's message. orbax writes each array's shards from the
+processes that hold them, and only process 0 writes metrics. The same test runs the default
+job's smoke in two processes and logs what one process logs, each process having read and
+scored half of the records; stopped after an RL step and resumed, it repeats the uninterrupted
+run. Not yet: a file-backed task still loads its whole file in every process (only the making
+of its records is split); the split placement (its sampler thread would exchange records and
+rewards beside the learner's steps) is refused with several processes.
 
 On CPU the processes exchange data through gloo (`jax_cpu_collectives_implementation`), which
 `initialize` selects; GPUs and TPUs use their own collectives.
@@ -38,6 +48,8 @@ On CPU the processes exchange data through gloo (`jax_cpu_collectives_implementa
 from __future__ import annotations
 
 import os
+import pickle
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -153,3 +165,53 @@ def to_host(tree: Any) -> Any:
     return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
   return jax.tree.map(get, tree)
+
+
+def share(n: int, process: int | None = None, count: int | None = None) -> range:
+  """The contiguous part of `n` items (rows, records, completions) that `process` (default:
+  this one) handles out of `count` processes (default: all): as `np.array_split`, the first
+  n % count processes take one more. One process: all of them."""
+  process = jax.process_index() if process is None else process
+  count = jax.process_count() if count is None else count
+  size, extra = divmod(n, count)
+  start = process * size + min(process, extra)
+  return range(start, start + size + (process < extra))
+
+
+def allgather_objects(obj: Any) -> list:
+  """Every process's `obj` (anything picklable), in process order; every process must call
+  this together. One process: [obj]. The bytes travel as a uint8 array padded to a power of two
+  (so a run compiles the exchange for a handful of sizes, not one per message)."""
+  if jax.process_count() == 1:
+    return [obj]
+  from jax.experimental import multihost_utils
+
+  data = np.frombuffer(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), np.uint8)
+  sizes = np.asarray(multihost_utils.process_allgather(np.asarray([data.size], np.int64)))
+  width = 1 << max(10, int(sizes.max() - 1).bit_length())
+  padded = np.zeros(width, np.uint8)
+  padded[: data.size] = data
+  every = np.asarray(multihost_utils.process_allgather(padded))
+  return [pickle.loads(every[i, : int(n)].tobytes()) for i, n in enumerate(sizes.reshape(-1))]
+
+
+def gather_shares(fn: Callable[[range], Any], n: int) -> list:
+  """`fn(share(n))` here; every process's result, in process order (so in item order): each
+  process does its part of the work on `n` items and all get the whole. If `fn` raises in any
+  process, every process raises: the failing one its own exception, the others a RuntimeError
+  naming it and its message (no process is left waiting for the exchange). One process:
+  [fn(range(n))]."""
+  if jax.process_count() == 1:
+    return [fn(range(n))]
+  try:
+    mine: tuple = ("ok", fn(share(n)))
+  except Exception as e:  # re-raised below, once the others have heard of it
+    mine, error = ("error", f"{type(e).__name__}: {e}"), e
+  every = allgather_objects(mine)
+  failed = [(i, msg) for i, (kind, msg) in enumerate(every) if kind == "error"]
+  if failed:
+    if mine[0] == "error":
+      raise error
+    i, msg = failed[0]
+    raise RuntimeError(f"process {i} failed on its share of {n} items: {msg}")
+  return [result for _, result in every]

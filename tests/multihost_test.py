@@ -3,7 +3,8 @@ take the learner's train steps with the params and the batch split across them: 
 the updates equal one process's with four devices; each process supplied only its own rows. Both
 load an HF checkpoint onto that mesh first: each process reads only its devices' blocks of the
 weights, and the params are those one process loads. Then both run the default job's smoke
-(SFT, RL, evaluation, checkpoints) in one workdir and log what one process logs."""
+(SFT, RL, evaluation, checkpoints) in one workdir and log what one process logs, each having
+made half of the training records and scored half of the completions."""
 
 import json
 import os
@@ -144,6 +145,61 @@ def test_two_processes_run_the_default_jobs_smoke_as_one(runs, tmp_path_factory)
   assert checked > 50
   rl = [r for r in logs["one"] if "rl/loss" in r]
   assert all(r["opt/grad_norm"] > 0 for r in rl)  # the steps really moved the params
+
+
+def test_a_resumed_two_process_run_repeats_the_uninterrupted_one(runs):
+  (one,), _ = runs
+  base = Path(one["out"]).parent / "two"
+  logs = {}
+  for name in ("run", "run_resumed"):
+    logs[name] = [
+      json.loads(line) for line in (base / name / "metrics.jsonl").read_text().splitlines()
+    ]
+  assert [(r["phase"], r["step"]) for r in logs["run_resumed"]] == [
+    (r["phase"], r["step"]) for r in logs["run"]
+  ]  # every row once: the stopped try's rows kept, none repeated
+  for a, b in zip(logs["run"], logs["run_resumed"], strict=True):
+    assert {k: v for k, v in a.items() if not k.startswith("time/")} == {
+      k: v for k, v in b.items() if not k.startswith("time/")
+    }, a["step"]
+  summary = {n: json.loads((base / n / "summary.json").read_text()) for n in logs}
+  for key in ("accuracy_after_sft", "accuracy_after_rl", "sampled_accuracy_after_rl"):
+    assert summary["run_resumed"][key] == summary["run"][key], key
+
+
+def test_each_process_reads_and_scores_only_its_share(runs):
+  (one,), two = runs
+  whole = one["work"]
+  assert whole["records"] > 0 and whole["scored"] > 0
+  assert two[0]["work"]["split_error"] == (
+    "config.rl.placement.kind='split' is not supported with 2 processes; allowed there: 'colocated'"
+  )
+  for key in ("records", "scored"):
+    # Every batch (SFT's, RL's prompts; RL's and evaluation's completions) has an even size:
+    # each process did exactly half of one process's work, and they did it all between them.
+    assert [p["work"][key] for p in two] == [whole[key] // 2] * 2, key
+
+
+def test_shares_are_exchanged_and_a_failure_reaches_every_process(runs):
+  (one,), two = runs
+  assert one["shares"] == [[[0, i] for i in range(5)]] and one["failure"] is None
+  for p in two:
+    assert p["shares"] == [[[0, 0], [0, 1], [0, 2]], [[1, 3], [1, 4]]]
+  assert two[1]["failure"] == "ZeroDivisionError: division by zero"
+  assert two[0]["failure"] == (
+    "RuntimeError: process 1 failed on its share of 5 items: ZeroDivisionError: division by zero"
+  )
+
+
+def test_share_splits_items_as_array_split():
+  for n in (0, 1, 5, 16, 17):
+    for count in (1, 2, 3, 4):
+      want = [list(a) for a in np.array_split(np.arange(n), count)]
+      got = [list(distributed.share(n, i, count)) for i in range(count)]
+      assert got == want, (n, count)
+  assert distributed.share(7) == range(7)  # one process: everything
+  assert distributed.allgather_objects({"a": 1}) == [{"a": 1}]
+  assert distributed.gather_shares(lambda rows: list(rows), 3) == [[0, 1, 2]]
 
 
 def test_launch_train_names_a_bad_multiprocess_environment(tmp_path):

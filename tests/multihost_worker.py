@@ -3,7 +3,9 @@
 this process's rows of a 16-row GRPO batch, take two train steps, write what it saw. With --hf,
 first load that HF checkpoint onto the same mesh, counting what this process reads of it. With
 --trainer, then run the default job's `:smoke` (4 SFT steps, 2 RL steps with an entropy bonus,
-so every step has a gradient) in that workdir, every process in the same one.
+so every step has a gradient) in that workdir, every process in the same one, counting the
+training records this process made and the completions it scored; with several processes, the
+same job again in WORKDIR_resumed, stopped after one RL step and resumed.
 
   python tests/multihost_worker.py --out=DIR [--coordinator=HOST:PORT --num-processes=N]
                                    [--hf=CHECKPOINT_DIR] [--trainer=WORKDIR]
@@ -92,8 +94,15 @@ def main() -> None:
     )
   }
   split = sum(not x.is_fully_addressable for x in jax.tree.leaves(state.params))
-  if args.trainer:
-    _trainer(args.trainer)
+  work = _trainer(args.trainer) if args.trainer else None
+  if args.trainer and jax.process_count() > 1:  # the same job, preempted after 1 RL step
+    _trainer(args.trainer + "_resumed", until=1)
+  shares = distributed.gather_shares(lambda rows: [(jax.process_index(), i) for i in rows], 5)
+  try:  # process 1 fails on its share: every process must raise, none wait forever
+    distributed.gather_shares(lambda rows: [1 / (jax.process_index() != 1)], 5)
+    failure = None
+  except Exception as e:
+    failure = f"{type(e).__name__}: {e}"
   out = Path(args.out) / f"p{jax.process_index()}.json"
   out.write_text(json.dumps({
     "out": str(Path(args.out).resolve()),
@@ -107,6 +116,9 @@ def main() -> None:
     "deltas": deltas,
     "compiles": step._cache_size(),
     "hf": hf,
+    "work": work,
+    "shares": shares,
+    "failure": failure,
   }))  # fmt: skip
 
 
@@ -156,18 +168,50 @@ def _load_hf(path: str) -> dict:
   }
 
 
-def _trainer(workdir: str) -> None:
-  from jaxrl.config import config_module, validate
-  from jaxrl.rl.loop import Trainer
+def _trainer(workdir: str, until: int | None = None) -> dict:
+  """Run the smoke job (`until`: stop RL after that many steps, as a preemption would, then
+  resume it in a new Trainer); how many training records this process made (SFT's and RL's
+  prompt batches) and how many completions it scored (RL's and evaluation's)."""
+  import jax
 
+  from jaxrl import rewards
+  from jaxrl.config import ConfigError, config_module, validate
+  from jaxrl.data.arithmetic import ArithmeticTask
+  from jaxrl.rl.loop import Trainer
+  from jaxrl.rl.run import Run
+
+  counts = {"records": 0, "scored": 0}
+  sample, compute = ArithmeticTask.sample, rewards.compute_rewards
+
+  def counting_sample(self, rng, *, split="train"):
+    counts["records"] += split == "train"
+    return sample(self, rng, split=split)
+
+  def counting_compute(fn, completions, records, **kw):
+    counts["scored"] += len(completions)
+    return compute(fn, completions, records, **kw)
+
+  ArithmeticTask.sample, rewards.compute_rewards = counting_sample, counting_compute
   c = config_module(Path(__file__).resolve().parent.parent / "configs" / "grpo_arith.py")
   c = c.get_config("smoke")
+  if jax.process_count() > 1:  # the split placement is refused with several processes
+    split = c.copy_and_resolve_references()
+    split.rl.placement.kind, split.workdir = "split", workdir + "_split"
+    try:
+      Run.build(validate(split))
+    except ConfigError as e:
+      counts["split_error"] = str(e)
   c.workdir, c.sft.steps, c.rl.steps, c.rl.loss.entropy_coef = workdir, 4, 2, 0.01
-  trainer = Trainer(validate(c))
   try:
-    trainer.run()
+    for stop in [until, None] if until else [None]:
+      trainer = Trainer(validate(c))
+      try:
+        trainer.run(stop)
+      finally:
+        trainer.close()
   finally:
-    trainer.close()
+    ArithmeticTask.sample, rewards.compute_rewards = sample, compute
+  return counts
 
 
 if __name__ == "__main__":

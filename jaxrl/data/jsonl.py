@@ -12,6 +12,8 @@ from typing import Any, Literal
 import grain
 import numpy as np
 
+from jaxrl.data.stream import record_batches
+
 Record = dict[str, Any]
 Split = Literal["train", "held_out"]
 
@@ -233,8 +235,4 @@ class JsonlTask:
       i = int(i)
       return dict(records[permutation(i // n)[i % n]])  # a copy: callers may annotate records
 
-    dataset = (
-      grain.MapDataset.range(_TRAIN_INDEX_SPACE).map(make_record).batch(batch_size, batch_fn=list)
-    )
-    # Records are in memory: prefetch threads would only fight over the GIL.
-    return dataset.to_iter_dataset(grain.ReadOptions(num_threads=0, prefetch_buffer_size=0))
+    return record_batches(make_record, batch_size=batch_size, index_space=_TRAIN_INDEX_SPACE)

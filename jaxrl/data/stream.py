@@ -9,6 +9,8 @@ from collections.abc import Callable
 import grain
 import numpy as np
 
+from jaxrl import distributed
+
 # Record indices: 2**40 is "infinite" for training.
 INDEX_SPACE = 2**40
 
@@ -30,8 +32,29 @@ def indexed_batches(
   def make_record(i: int) -> dict:
     return sample(np.random.default_rng([seed, int(i)]))
 
-  dataset = grain.MapDataset.range(INDEX_SPACE).map(make_record).batch(batch_size, batch_fn=list)
-  # Generation is pure Python and in memory: prefetch threads would only fight over the GIL
+  return record_batches(make_record, batch_size=batch_size)
+
+
+def record_batches(
+  make_record: Callable[[int], dict], *, batch_size: int, index_space: int = INDEX_SPACE
+) -> grain.IterDataset:
+  """Batches (lists) of `batch_size` records: batch k holds `make_record(i)` for i in
+  [k * batch_size, (k + 1) * batch_size). `iter(ds).get_state()` is grain's `{"next_index": k}`.
+
+  In a multi-process run (jaxrl.distributed) each process makes only its share of every
+  batch's records (`distributed.share`: contiguous, in process order) and receives the others'
+  (every process drives the same engine program over all of a step's prompts), so record
+  reading, parsing and generation are split across the processes.
+  """
+
+  def read_batch(k: int) -> list[dict]:
+    first = int(k) * batch_size
+    read = lambda rows: [make_record(first + j) for j in rows]  # noqa: E731
+    parts = distributed.gather_shares(read, batch_size)
+    return [record for part in parts for record in part]
+
+  dataset = grain.MapDataset.range(index_space // batch_size).map(read_batch)
+  # Records are made in memory in pure Python: prefetch threads would only fight over the GIL
   # (grain's default is 16 threads eagerly filling a 500-batch buffer).
   return dataset.to_iter_dataset(grain.ReadOptions(num_threads=0, prefetch_buffer_size=0))
 
@@ -82,8 +105,7 @@ def pooled_batches(records: list[dict], *, seed: int, batch_size: int) -> grain.
     i = int(i)
     return dict(records[permutation(i // n)[i % n]])  # a copy: callers may annotate records
 
-  dataset = grain.MapDataset.range(INDEX_SPACE).map(make_record).batch(batch_size, batch_fn=list)
-  return dataset.to_iter_dataset(grain.ReadOptions(num_threads=0, prefetch_buffer_size=0))
+  return record_batches(make_record, batch_size=batch_size)
 
 
 def distinct_held_out(

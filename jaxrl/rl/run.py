@@ -18,7 +18,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxrl import rewards
+from jaxrl import distributed, rewards
 from jaxrl.checkpoint import Checkpointer
 from jaxrl.config import Config, ConfigError
 from jaxrl.data.stream import draw_pool, pooled_batches
@@ -59,6 +59,13 @@ class Run:
   def build(cls, cfg: Config) -> Run:
     tok = components.build_tokenizer(cfg.model)
     devices, sampler_mesh = jax.devices(), None
+    if cfg.rl.placement.kind == "split" and jax.process_count() > 1:
+      # The sampler's thread would exchange records and rewards across the processes while the
+      # learner's steps do the same in the main thread: never run, so refused.
+      raise ConfigError(
+        f"config.rl.placement.kind='split' is not supported with {jax.process_count()} "
+        "processes; allowed there: 'colocated'"
+      )
     if cfg.rl.placement.kind == "split":
       # The learner takes config.mesh's sizes over its share; the sampler replicates the
       # weights and splits its rows over all of its devices (decode reads every weight).
@@ -190,16 +197,30 @@ class Run:
     `sample_ids` name the samples in errors (default: their positions); errors are counted by
     kind into `kinds` (rewards.compute_rewards)."""
     cfg = self.cfg.reward
-    return rewards.compute_rewards(
-      self.reward_fn,
-      texts,
-      records,
-      on_error=cfg.on_error,
-      sample_ids=sample_ids,
-      max_abs=cfg.max_abs,
-      pool=self.reward_pool,
-      kinds=kinds,
-    )
+    ids = list(range(len(texts))) if sample_ids is None else list(sample_ids)
+
+    def part(rows: range) -> tuple[np.ndarray, int, dict]:
+      found: dict[str, int] = {}
+      r, n_err = rewards.compute_rewards(
+        self.reward_fn,
+        [texts[i] for i in rows],
+        [records[i] for i in rows],
+        on_error=cfg.on_error,
+        sample_ids=[ids[i] for i in rows],
+        max_abs=cfg.max_abs,
+        pool=self.reward_pool,
+        kinds=found,
+      )
+      return r, n_err, found
+
+    # Multi-process: each process scores its share of the completions; all get every reward.
+    parts = distributed.gather_shares(part, len(texts))
+    if kinds is not None:
+      for _, _, found in parts:
+        for kind, n in found.items():
+          kinds[kind] = kinds.get(kind, 0) + n
+    scored = np.concatenate([r for r, _, _ in parts]).astype(np.float32)
+    return scored, sum(n for _, n, _ in parts)
 
   # ---------------------------------------------------------------------------- placement, seeds
 
