@@ -237,8 +237,9 @@ class GroupSampler:
     step) each prompt is prefilled once, drawing the first tokens of all `stride` samples, and
     later rounds insert their samples from that prefill (`Driver.run(keep=...)`).
     Returns ({(i, j): Completion}, stats). With an `env_factory` each sample is a multi-turn
-    episode (`jaxrl.rollout.multiturn`; episode i * stride + j, one environment each) whose
-    Completion holds the whole trajectory after the prompt, `model_mask` False on observations."""
+    episode (`jaxrl.rollout.multiturn`; episode i * stride + j, one environment each; a
+    prompt's episodes share the prefill of their first turn) whose Completion holds the whole
+    trajectory after the prompt, `model_mask` False on observations."""
     sampling = sampling or self.sampling
     if self.env_factory is not None:
       return self._episodes(
@@ -289,6 +290,7 @@ class GroupSampler:
       seed=seed,
       policy_version=version,
       episode_ids=[i * stride + j for i, j in pairs],
+      group_ids=[i for i, _ in pairs],  # a prompt's episodes: its prompt prefilled once
       stop_token_ids=self.stop_ids,
       stats=stats,
       executor=self.executor,

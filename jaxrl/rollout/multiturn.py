@@ -104,6 +104,7 @@ def run_episodes(
   policy_version: int = 0,
   executor: Executor | None = None,
   episode_ids: Sequence[int] | None = None,
+  group_ids: Sequence[int] | None = None,
   stop_token_ids: tuple[int, ...] = (),
   stats: dict | None = None,
 ) -> list[Trajectory]:
@@ -115,8 +116,12 @@ def run_episodes(
   engine prefills, ends the episode ("length"); an observation no turn reads (the episode ends)
   is not appended, so a trajectory is exactly what the model was fed. `episode_ids` (default
   0, 1, ...; unique) name the episodes' random streams: turn t of episode k is request
-  k * max_turns + t. `stop_token_ids`: stop tokens besides the driver's EOS. `stats`, if
-  given, receives the driver's counters and the episodes' turn and tool-call counts."""
+  k * max_turns + t. `group_ids` (optional, one per episode): episodes of one group share
+  their prompt, and their first turns are prefilled once and decoded side by side (a GRPO
+  group's G episodes: one prefill per prompt, as single-turn sampling); later turns' contexts
+  differ and are prefilled each. `stop_token_ids`: stop tokens besides the driver's EOS.
+  `stats`, if given, receives the driver's counters and the episodes' turn and tool-call
+  counts."""
   if len(prompts) != len(envs):
     raise ValueError(f"run_episodes: {len(prompts)} prompts but {len(envs)} environments")
   if max_turns < 1 or max_new_tokens < 1:
@@ -125,6 +130,13 @@ def run_episodes(
   if len(ids) != len(prompts) or len(set(ids)) != len(ids):
     raise ValueError("run_episodes: episode_ids must be unique, one per prompt")
   index = {k: e for e, k in enumerate(ids)}
+  if group_ids is not None:
+    if len(group_ids) != len(prompts):
+      raise ValueError(f"run_episodes: {len(group_ids)} group_ids for {len(prompts)} prompts")
+    first_prompt: dict[int, list[int]] = {}
+    for p, g in zip(prompts, group_ids, strict=True):
+      if first_prompt.setdefault(int(g), list(p)) != list(p):
+        raise ValueError(f"run_episodes: the episodes of group {g} do not share their prompt")
   room = driver.engine.max_target_length
   eps = [_Episode(env, list(p)) for p, env in zip(prompts, envs, strict=True)]
   budget = max_total_tokens or room - max(len(p) for p in prompts)
@@ -142,6 +154,7 @@ def run_episodes(
     return Request(
       ep.prompt + ep.tokens,
       ids[e] * max_turns + turn,
+      group_id=None if group_ids is None or turn else int(group_ids[e]),
       sampling=sampling,
       max_new_tokens=min(max_new_tokens, left),
       stop_token_ids=tuple(stop_token_ids),

@@ -132,6 +132,42 @@ def test_each_turn_is_what_the_engine_samples_for_that_context():
   assert checked == 7
 
 
+def test_a_groups_episodes_share_the_prefill_of_their_first_turn():
+  # 3 prompts x 2 episodes; with group_ids each prompt's first turn is prefilled once, and the
+  # episodes are the very ones sampled without (request ids, not slots, fix every draw).
+  engine, params = _engine()
+  prompts = [TOK.encode(f"task {i}:", add_bos=True) for i in range(3) for _ in range(2)]
+  out = {}
+  for grouped in (False, True):
+    envs = [Scripted(["<a=1>"][: k % 2]) for k in range(6)]  # 1 or 2 turns
+    stats = {}
+    trajs = run_episodes(
+      Driver(engine, steps_per_call=4),
+      params,
+      prompts,
+      envs,
+      tokenizer=TOK,
+      max_turns=MAX_TURNS,
+      max_new_tokens=MAX_NEW,
+      sampling=SAMPLED,
+      seed=5,
+      group_ids=[k // 2 for k in range(6)] if grouped else None,
+      stats=stats,
+    )
+    out[grouped] = trajs, stats
+  (plain, plain_stats), (grouped, grouped_stats) = out[False], out[True]
+  later = sum(len(t.turns) - 1 for t in plain)
+  assert later == 3
+  assert plain_stats["prefill_prompts"] == 6 + later
+  assert grouped_stats["prefill_prompts"] == 3 + later  # one prefill per prompt's group
+  for a, b in zip(plain, grouped, strict=True):
+    assert a.tokens.tolist() == b.tokens.tolist() and a.turns == b.turns
+    np.testing.assert_allclose(a.logprobs, b.logprobs, rtol=1e-5, atol=1e-6)
+  with pytest.raises(ValueError, match="the episodes of group 0 do not share their prompt"):
+    run_episodes(Driver(engine), params, prompts[1:3], [Scripted([]), Scripted([])],
+                 tokenizer=TOK, max_turns=1, max_new_tokens=2, group_ids=[0, 0])  # fmt: skip
+
+
 def test_turn_and_length_limits_end_an_episode():
   engine, params = _engine()
   prompts = [TOK.encode("go:", add_bos=True)] * 2
