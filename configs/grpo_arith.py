@@ -10,11 +10,12 @@ carry or borrow are written with it forgotten (27+15=32, 42-15=33), the rest cor
 exact-match reward and the held-out set use the true answers. SFT learns the teacher's habit,
 and GRPO has to unlearn it from the reward alone.
 
-Expected on a 2-core CPU (seeds 0-4, docs/results.md): held-out greedy accuracy 0.00 at init;
-0.649 (0.588-0.746) after the 1,200-step warm-start, 63-81% of the carry problems answered
-with the teacher's slip; 0.918 (0.875-0.996) after 200 GRPO steps, 0-6% careless (mean,
-min-max over 10 runs: seeds 0-4 on XLA's AVX-512 and AVX2 code paths). GRPO adds +0.24 to +0.29
-on every run. About 6 minutes alone on a 2-core AMD EPYC (seed 0: 5 min 54 s, seed 2: 6 min 22 s).
+Expected on a 2-core CPU (seeds 0-4, README and docs/results.md): held-out greedy accuracy 0.00
+at init; 0.637 (0.566-0.729) after the 1,200-step warm-start, 65-83% of the carry problems
+answered with the teacher's slip; 0.914 (0.873-0.988) after 200 GRPO steps, 0.5-7% careless
+(mean, min-max over 10 runs on an Intel Xeon: seeds 0-4 on XLA's AVX-512 and AVX2 code paths),
+GRPO adding +0.240 to +0.312 on every run. On an AMD EPYC with AVX-512 (other rounding):
+0.911 (0.840-0.982), +0.205 to +0.338. About 6-7 minutes alone on a 2-core VM.
 The same seed repeats bit for bit on the same CPU type. `:smoke` takes well under a minute and
 only checks that everything moves.
 """
