@@ -63,27 +63,24 @@ class Scripted:
     return EnvStep(None, reward=1.0, done=True)
 
 
+def _run(driver, prompts, envs, **kw):
+  """run_episodes with this file's engine, turn limits, sampling and seed."""
+  _, params = _engine()
+  return run_episodes(
+    driver, params, prompts, envs, tokenizer=TOK, max_turns=MAX_TURNS, max_new_tokens=MAX_NEW,
+    sampling=SAMPLED, seed=5, **kw,
+  )  # fmt: skip
+
+
 def _episodes(executor=None):
-  engine, params = _engine()
+  engine, _ = _engine()
   prompts = [TOK.encode(f"task {i}:", add_bos=True) for i in range(4)]
   envs = [Scripted(["<a=1>", "<bb>"][: i % 3]) for i in range(4)]  # 1, 2, 3, 1 turns
   driver = Driver(engine, steps_per_call=4)
   runs = []
   real = driver.run
   driver.run = lambda *a, **k: (runs.append(1), real(*a, **k))[1]
-  trajs = run_episodes(
-    driver,
-    params,
-    prompts,
-    envs,
-    tokenizer=TOK,
-    max_turns=MAX_TURNS,
-    max_new_tokens=MAX_NEW,
-    sampling=SAMPLED,
-    seed=5,
-    policy_version=7,
-    executor=executor,
-  )
+  trajs = _run(driver, prompts, envs, policy_version=7, executor=executor)
   return trajs, envs, prompts, len(runs)
 
 
@@ -141,19 +138,8 @@ def test_a_groups_episodes_share_the_prefill_of_their_first_turn():
   for grouped in (False, True):
     envs = [Scripted(["<a=1>"][: k % 2]) for k in range(6)]  # 1 or 2 turns
     stats = {}
-    trajs = run_episodes(
-      Driver(engine, steps_per_call=4),
-      params,
-      prompts,
-      envs,
-      tokenizer=TOK,
-      max_turns=MAX_TURNS,
-      max_new_tokens=MAX_NEW,
-      sampling=SAMPLED,
-      seed=5,
-      group_ids=[k // 2 for k in range(6)] if grouped else None,
-      stats=stats,
-    )
+    groups = [k // 2 for k in range(6)] if grouped else None
+    trajs = _run(Driver(engine, steps_per_call=4), prompts, envs, group_ids=groups, stats=stats)
     out[grouped] = trajs, stats
   (plain, plain_stats), (grouped, grouped_stats) = out[False], out[True]
   later = sum(len(t.turns) - 1 for t in plain)
