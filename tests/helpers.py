@@ -1,7 +1,10 @@
-"""Shared test fixtures: jitted forwards, tiny random models, greedy and cached decoding."""
+"""Shared test fixtures: jitted forwards, tiny random models, greedy and cached decoding, counts
+of what an HF load reads."""
 
+import contextlib
 import functools
 import json
+import math
 
 import jax
 import jax.numpy as jnp
@@ -148,3 +151,45 @@ def hf_config_dict(**kw) -> dict:
     num_attention_heads=6,
   )
   return {**d, **kw}
+
+
+@contextlib.contextmanager
+def counting_hf_reads():
+  """Inside: jaxrl.models.hf.read_block counted. Yields a list that gets, per call, (elements it
+  read from the file, elements of the block it returned)."""
+  from jaxrl.models import hf
+
+  calls, read = [], hf.read_block
+
+  class Counting:
+    def __init__(self, lazy):
+      self.lazy, self.elements = lazy, 0
+
+    def __getitem__(self, key):
+      x = self.lazy[key]
+      self.elements += x.size
+      return x
+
+  def counted(kind, lazy, slot, index):
+    wrapped = Counting(lazy)
+    out = read(kind, wrapped, slot, index)
+    calls.append((wrapped.elements, out.size))
+    return out
+
+  hf.read_block = counted
+  try:
+    yield calls
+  finally:
+    hf.read_block = read
+
+
+def distinct_block_elements(x, *, addressable: bool = False) -> int:
+  """Elements of the distinct blocks the devices of global array `x` hold (this process's
+  devices only with `addressable`): a block replicated on several devices counts once."""
+  index = (x.sharding.addressable_devices_indices_map if addressable
+           else x.sharding.devices_indices_map)(x.shape)  # fmt: skip
+  seen = {}
+  for idx in index.values():
+    key = tuple(s.indices(n)[:2] for s, n in zip(idx, x.shape, strict=True))
+    seen[key] = math.prod(b - a for a, b in key)
+  return sum(seen.values())

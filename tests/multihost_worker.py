@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/helpers.py
 
 from jaxrl import distributed  # noqa: E402  (before anything else touches jax's devices)
 
@@ -129,39 +130,21 @@ def _load_hf(path: str) -> dict:
 
   import jax
   import numpy as np
+  from helpers import counting_hf_reads, distinct_block_elements
 
   from jaxrl.mesh import get_rules, make_mesh
   from jaxrl.models import hf
 
-  read, counted = [0], hf.read_block
-
-  class Counting:
-    def __init__(self, lazy):
-      self.lazy = lazy
-
-    def __getitem__(self, key):
-      x = self.lazy[key]
-      read[0] += x.size
-      return x
-
-  hf.read_block = lambda kind, lazy, slot, index: counted(kind, Counting(lazy), slot, index)
-  _, _, params = hf.load_hf_checkpoint(
-    path, mesh=make_mesh(data=1, fsdp=-1, tensor=1), rules=get_rules("fsdp_tp")
-  )
-  hf.read_block = counted
+  with counting_hf_reads() as calls:
+    _, _, params = hf.load_hf_checkpoint(
+      path, mesh=make_mesh(data=1, fsdp=-1, tensor=1), rules=get_rules("fsdp_tp")
+    )
   leaves = jax.tree.leaves(params)
-  held = 0
-  for x in leaves:
-    seen = {
-      tuple(s.indices(n)[:2] for s, n in zip(index, x.shape, strict=True))
-      for index in x.sharding.addressable_devices_indices_map(x.shape).values()
-    }
-    held += sum(int(np.prod([b - a for a, b in key])) for key in seen)
   hashes = [hashlib.sha256(np.ascontiguousarray(a).tobytes()).hexdigest()
             for a in distributed.to_host(leaves)]  # fmt: skip
   return {
-    "read": read[0],
-    "held": held,
+    "read": sum(read for read, _ in calls),
+    "held": sum(distinct_block_elements(x, addressable=True) for x in leaves),
     "total": sum(x.size for x in leaves),
     "split": sum(not x.is_fully_addressable for x in leaves),
     "hashes": hashes,

@@ -1,7 +1,6 @@
 """HF interop tests: logits parity per family, export round trips, sharded load, bad input."""
 
 import json
-import math
 
 import jax
 import numpy as np
@@ -9,7 +8,13 @@ import pytest
 import torch
 import transformers
 from flax import nnx
-from helpers import apply, graphdef_of, hf_config_dict
+from helpers import (
+  apply,
+  counting_hf_reads,
+  distinct_block_elements,
+  graphdef_of,
+  hf_config_dict,
+)
 from jax.sharding import PartitionSpec as P
 from safetensors.numpy import load_file, save_file
 
@@ -162,50 +167,18 @@ def test_sharded_load_places_each_param_and_matches_single_device(tmp_path):
   )
 
 
-def _count_reads(monkeypatch) -> list[tuple[int, int]]:
-  """Wrap hf.read_block: per call, (elements it read from the file, elements of the block)."""
-  calls, read = [], hf.read_block
-
-  class Counting:
-    def __init__(self, lazy):
-      self.lazy, self.elements = lazy, 0
-
-    def __getitem__(self, key):
-      x = self.lazy[key]
-      self.elements += x.size
-      return x
-
-  def counted(kind, lazy, slot, index):
-    wrapped = Counting(lazy)
-    out = read(kind, wrapped, slot, index)
-    calls.append((wrapped.elements, out.size))
-    return out
-
-  monkeypatch.setattr(hf, "read_block", counted)
-  return calls
-
-
-def _distinct_blocks(x) -> int:
-  """Elements of the distinct blocks x's devices hold (replicated blocks counted once)."""
-  seen = {}
-  for index in x.sharding.devices_indices_map(x.shape).values():
-    key = tuple(s.indices(n)[:2] for s, n in zip(index, x.shape, strict=True))
-    seen[key] = math.prod(b - a for a, b in key)
-  return sum(seen.values())
-
-
 @pytest.mark.parametrize("case", ["qwen2", "moe"])
-def test_sharded_load_reads_each_devices_block_once_and_nothing_else(case, tmp_path, monkeypatch):
+def test_sharded_load_reads_each_devices_block_once_and_nothing_else(case, tmp_path):
   # Every device's block is read from its own rows / columns of the HF tensor (biases and
   # per-expert tensors included), never the whole tensor then cut; devices holding the same block
   # (replication over the other axis) share one read. So a host reads only what its devices hold.
   model = _hf_model("qwen2_bias") if case == "qwen2" else _hf_moe("qwen3_moe_unnormed_tied")
   model.save_pretrained(tmp_path)
-  calls = _count_reads(monkeypatch)
   mesh = make_mesh(1, 4, 2)
-  _, _, params = hf.load_hf_checkpoint(tmp_path, mesh=mesh, rules=get_rules("fsdp_tp"))
+  with counting_hf_reads() as calls:
+    _, _, params = hf.load_hf_checkpoint(tmp_path, mesh=mesh, rules=get_rules("fsdp_tp"))
   assert calls and all(read == size for read, size in calls), calls
-  blocks = [_distinct_blocks(var.get_value()) for _, var in nnx.to_flat_state(params)]
+  blocks = [distinct_block_elements(var.get_value()) for _, var in nnx.to_flat_state(params)]
   assert sum(read for read, _ in calls) == sum(blocks)
   assert sum(blocks) < 8 * sum(x.size for x in jax.tree.leaves(params))  # not one per device
   # The same params as the whole-tensor reads of an unsharded load.
