@@ -44,7 +44,8 @@ def test_the_upper_end_resolves_within_the_ranges_and_the_suite_runs_inside_them
 
 def test_jaxrl_installs_and_runs_the_default_smoke_at_the_lower_end(reqs, tmp_path):
   got = deps.build("lower", tmp_path / "venv", log=lambda *_: None)
-  assert got == {name: deps.resolve("lower", reqs)[name] for name in deps.lower_bounds(reqs)}
+  lower = deps.resolve("lower", reqs)
+  assert got == {name: lower[name] for name in deps.lower_bounds(reqs)}
   summary = deps.smoke(tmp_path / "venv", tmp_path / "smoke", sft_steps=4, rl_steps=2)
   assert 0.0 <= summary["accuracy_after_rl"] <= 1.0 and "accuracy_after_sft" in summary
 
