@@ -148,7 +148,7 @@ def test_a_groups_episodes_share_the_prefill_of_their_first_turn():
   assert grouped_stats["prefill_prompts"] == 3 + later  # one prefill per prompt's group
   for a, b in zip(plain, grouped, strict=True):
     assert a.tokens.tolist() == b.tokens.tolist() and a.turns == b.turns
-    np.testing.assert_allclose(a.logprobs, b.logprobs, rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(a.logprobs, b.logprobs)
   with pytest.raises(ValueError, match="the episodes of group 0 do not share their prompt"):
     run_episodes(Driver(engine), params, prompts[1:3], [Scripted([]), Scripted([])],
                  tokenizer=TOK, max_turns=1, max_new_tokens=2, group_ids=[0, 0])  # fmt: skip
