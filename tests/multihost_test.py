@@ -42,13 +42,30 @@ def _checkpoint(path: Path) -> Path:
   return path
 
 
-def _start(out: Path, processes: int, devices_each: int, hf: Path) -> list[subprocess.Popen]:
+def _jsonl_files(folder: Path) -> Path:
+  """A 60-line GSM8K-style file (blank lines, multi-byte characters) and one whose line 50, in
+  the second half of its bytes, lacks its answer."""
+  folder.mkdir()
+  lines = [
+    "" if i % 7 == 3 else json.dumps({"question": f"\u00e9t\u00e9 {i}?", "answer": f"x\n#### {i}"})
+    for i in range(60)
+  ]  # fmt: skip
+  (folder / "good.jsonl").write_text("\n".join(lines) + "\n")
+  lines[49] = json.dumps({"question": "q?"})
+  (folder / "bad.jsonl").write_text("\n".join(lines) + "\n")
+  return folder
+
+
+def _start(
+  out: Path, processes: int, devices_each: int, hf: Path, files: Path
+) -> list[subprocess.Popen]:
   out.mkdir()
   env = os.environ | {
     "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices_each}",
     "JAX_PLATFORMS": "cpu",
   }
-  cmd = [sys.executable, str(WORKER), f"--out={out}", f"--hf={hf}", f"--trainer={out / 'run'}"]
+  cmd = [sys.executable, str(WORKER), f"--out={out}", f"--hf={hf}", f"--trainer={out / 'run'}",
+         f"--jsonl={files}"]  # fmt: skip
   if processes > 1:
     cmd += [f"--coordinator=127.0.0.1:{_free_port()}", f"--num-processes={processes}"]
   return [
@@ -77,8 +94,8 @@ def _results(out: Path, procs: list[subprocess.Popen]) -> list[dict]:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
   base = tmp_path_factory.mktemp("multihost")
-  hf = _checkpoint(base / "hf")
-  one, two = _start(base / "one", 1, 4, hf), _start(base / "two", 2, 2, hf)  # all three at once
+  hf, files = _checkpoint(base / "hf"), _jsonl_files(base / "files")
+  one, two = _start(base / "one", 1, 4, hf, files), _start(base / "two", 2, 2, hf, files)
   return _results(base / "one", one), _results(base / "two", two)
 
 
@@ -120,6 +137,30 @@ def test_each_process_reads_only_its_share_of_the_hf_weights(runs):
     assert h["hashes"] == one["hf"]["hashes"]  # gathered, the same params bit for bit
   # Replicated params (norms) are read by both; the split ones are shared between them.
   assert one["hf"]["read"] < two[0]["hf"]["read"] + two[1]["hf"]["read"] < 2 * one["hf"]["read"]
+
+
+def test_each_process_indexes_and_reads_only_its_share_of_a_jsonl_file(runs):
+  (one,), two = runs
+  size = (Path(one["out"]).parent / "files" / "good.jsonl").stat().st_size
+  scans = one["jsonl"]["scans"]  # good.jsonl, then bad.jsonl (read up to its bad line 50)
+  assert scans[0] == [0, size, 60] and scans[1][2] == 50 and len(scans) == 2
+  half = (size + 1) // 2
+  for i, p in enumerate(two):
+    # Its half of the bytes (of each file; bad.jsonl stops at its bad line), the lines that
+    # start there: between them every line once.
+    assert p["jsonl"]["scans"][0][:2] == [[0, half], [half, size]][i]
+    assert p["jsonl"]["batches"] == one["jsonl"]["batches"]
+    assert p["jsonl"]["held"] == one["jsonl"]["held"]
+    # 3 batches of 6 and 4 held-out records: each process read half of each, no more.
+    assert len(p["jsonl"]["read"]) == (3 * 6 + 4) // 2
+    assert p["jsonl"]["error"] == one["jsonl"]["error"]
+  assert sum(p["jsonl"]["scans"][0][2] for p in two) == 60
+  assert 0 < two[0]["jsonl"]["scans"][0][2] < 60
+  assert sorted(two[0]["jsonl"]["read"] + two[1]["jsonl"]["read"]) == sorted(one["jsonl"]["read"])
+  assert one["jsonl"]["error"].startswith("RecordError: ")
+  assert one["jsonl"]["error"].endswith(
+    "bad.jsonl:50: missing field 'answer' (fields present: ['question'])"
+  )
 
 
 def test_two_processes_run_the_default_jobs_smoke_as_one(runs, tmp_path_factory):

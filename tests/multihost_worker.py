@@ -5,10 +5,12 @@ first load that HF checkpoint onto the same mesh, counting what this process rea
 --trainer, then run the default job's `:smoke` (4 SFT steps, 2 RL steps with an entropy bonus,
 so every step has a gradient) in that workdir, every process in the same one, counting the
 training records this process made and the completions it scored; with several processes, the
-same job again in WORKDIR_resumed, stopped after one RL step and resumed.
+same job again in WORKDIR_resumed, stopped after one RL step and resumed. With --jsonl, first
+index DIR/good.jsonl as a JSONL task and read batches and held-out records from it, noting which
+bytes this process scanned and how many records it read, then index DIR/bad.jsonl (one bad line).
 
   python tests/multihost_worker.py --out=DIR [--coordinator=HOST:PORT --num-processes=N]
-                                   [--hf=CHECKPOINT_DIR] [--trainer=WORKDIR]
+                                   [--hf=CHECKPOINT_DIR] [--trainer=WORKDIR] [--jsonl=DIR]
   (the process index comes from JAXRL_PROCESS_ID; XLA_FLAGS sets the devices per process)
 """
 
@@ -53,6 +55,7 @@ def main() -> None:
   ap.add_argument("--num-processes", type=int, default=1)
   ap.add_argument("--hf", default="")
   ap.add_argument("--trainer", default="")
+  ap.add_argument("--jsonl", default="")
   args = ap.parse_args()
   joined = distributed.initialize(args.coordinator, args.num_processes)
 
@@ -95,6 +98,7 @@ def main() -> None:
     )
   }
   split = sum(not x.is_fully_addressable for x in jax.tree.leaves(state.params))
+  files = _jsonl(args.jsonl) if args.jsonl else None
   work = _trainer(args.trainer) if args.trainer else None
   if args.trainer and jax.process_count() > 1:  # the same job, preempted after 1 RL step
     _trainer(args.trainer + "_resumed", until=1)
@@ -117,6 +121,7 @@ def main() -> None:
     "deltas": deltas,
     "compiles": step._cache_size(),
     "hf": hf,
+    "jsonl": files,
     "work": work,
     "shares": shares,
     "failure": failure,
@@ -149,6 +154,38 @@ def _load_hf(path: str) -> dict:
     "split": sum(not x.is_fully_addressable for x in leaves),
     "hashes": hashes,
   }
+
+
+def _jsonl(folder: str) -> dict:
+  """What this process scanned and read of a JSONL task's file, and what it got from it."""
+  from jaxrl.data import jsonl
+
+  scans, read = [], []
+  scan, rows_read = jsonl._scan, jsonl._Rows.read
+
+  def counting_scan(path, span, check):
+    found = scan(path, span, check)
+    scans.append([span.start, span.stop, found["owned"]])
+    return found
+
+  def counting_read(self, js):
+    read.extend(int(j) for j in js)
+    return rows_read(self, js)
+
+  jsonl._scan, jsonl._Rows.read = counting_scan, counting_read
+  try:
+    task = jsonl.JsonlTask(str(Path(folder) / "good.jsonl"), held_out_fraction=0.25)
+    it = iter(task.train_dataset(seed=0, batch_size=6))
+    batches = [[r["prompt"] for r in next(it)] for _ in range(3)]
+    held = [r["prompt"] for r in task.held_out(4, seed=1)]
+    try:
+      jsonl.JsonlTask(str(Path(folder) / "bad.jsonl"))
+      error = None
+    except Exception as e:
+      error = f"{type(e).__name__}: {e}"
+  finally:
+    jsonl._scan, jsonl._Rows.read = scan, rows_read
+  return {"scans": scans, "read": read, "batches": batches, "held": held, "error": error}
 
 
 def _trainer(workdir: str, until: int | None = None) -> dict:

@@ -1,4 +1,9 @@
-"""Prompt/answer records from a local JSONL or Parquet file (GSM8K by default), served by grain."""
+"""Prompt/answer records from a local JSONL or Parquet file (GSM8K by default), served by grain.
+
+A JSONL file is never held in memory: the task keeps where each record starts (a byte offset and
+its line number) and reads a record when it is needed. In a multi-process run (jaxrl.distributed)
+each process checks only the lines that start in its share of the file's bytes, and makes only
+its share of every batch, so every line is read by one process, not all of them."""
 
 from __future__ import annotations
 
@@ -7,11 +12,13 @@ import functools
 import hashlib
 import json
 import os
+from collections.abc import Callable
 from typing import Any, Literal
 
 import grain
 import numpy as np
 
+from jaxrl import distributed
 from jaxrl.data.stream import record_batches
 
 Record = dict[str, Any]
@@ -35,36 +42,140 @@ def final_answer(solution: str) -> str | None:
   return answer or None
 
 
-def _read_rows(path: str) -> list[tuple[int, Any]]:
-  """(1-based line or row number, decoded value) for each record of a JSONL / Parquet file."""
-  if not os.path.isfile(path):
-    raise FileNotFoundError(f"dataset file {path!r} does not exist")
-  if path.endswith(".parquet"):
-    try:
-      import pyarrow.parquet as pq
-    except ImportError:
-      raise ImportError(
-        f"reading {path!r} needs pyarrow, which is not installed; `pip install pyarrow` or "
-        "convert the file to JSONL"
-      ) from None
-    return list(enumerate(pq.read_table(path).to_pylist(), start=1))
-  rows = []
+def _decode(raw: bytes) -> Any:
+  """One JSONL line's value, or None for a blank line; a RecordError (without the file and line,
+  which the caller adds) for bytes that are not UTF-8 or not JSON."""
+  try:
+    line = raw.decode("utf-8")
+  except UnicodeDecodeError as e:
+    raise RecordError(
+      f"not UTF-8 (byte {raw[e.start]:#04x} at column {e.start + 1}); "
+      "JSONL files must be UTF-8 encoded"
+    ) from None
+  if not line.strip():
+    return None  # a trailing newline or blank separator is not a record
+  try:
+    return json.loads(line)
+  except json.JSONDecodeError as e:
+    raise RecordError(f"not valid JSON ({e.msg})") from None
+
+
+def _stamp(stat: os.stat_result) -> tuple[int, int]:
+  return stat.st_size, stat.st_mtime_ns
+
+
+def _scan(path: str, span: range, check: Callable[[Any], Any]) -> dict:
+  """The lines of a JSONL file that START in bytes [span.start, span.stop) (a line belongs to the
+  share its first byte is in, so the processes' shares partition the lines): how many there are,
+  each non-blank one's byte offset, local line index and `check(value)`, and the first bad line
+  (local index, message). Reading stops at the first bad line: only the first one in the file is
+  reported, and the lines before it are all this share needs to number it."""
+  offsets, local, checked, owned, error = [], [], [], 0, None
   with open(path, "rb") as f:
-    for line_no, raw in enumerate(f, start=1):
+    pos = span.start
+    if pos > 0:  # skip the rest of a line that started in the previous share
+      f.seek(pos - 1)
+      pos += len(f.readline()) - 1
+    while pos < span.stop:
+      raw = f.readline()
+      if not raw:
+        break
+      k, owned, start = owned, owned + 1, pos
+      pos += len(raw)
       try:
-        line = raw.decode("utf-8")
-      except UnicodeDecodeError as e:
+        value = _decode(raw)
+        if value is not None:
+          checked.append(check(value))
+          offsets.append(start)
+          local.append(k)
+      except RecordError as e:
+        error = (k, str(e))
+        break
+  found = {"owned": owned, "offsets": offsets, "local": local, "checked": checked}
+  return found | {"error": error, "size": os.path.getsize(path)}
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Rows:
+  """Where the records of one file are. JSONL: the byte offset and 1-based line number of every
+  non-blank line (the lines themselves are read when asked for). Parquet (read with pyarrow,
+  whole): the rows. `held[j]`: record j hashed into the held-out split."""
+
+  path: str
+  line_nos: np.ndarray
+  held: np.ndarray
+  offsets: np.ndarray | None = None
+  stamp: tuple[int, int] | None = None
+  table: tuple | None = None
+
+  @classmethod
+  def index(cls, path: str, check: Callable[[Any], bool]) -> _Rows:
+    """Index `path`, calling `check(value) -> held_out?` on every record (it raises RecordError
+    for a bad one, which is re-raised naming the file and line). Every process calls this
+    together: each checks the lines in its share of the bytes and they exchange the offsets."""
+    if not os.path.isfile(path):
+      raise FileNotFoundError(f"dataset file {path!r} does not exist")
+    if path.endswith(".parquet"):
+      rows = _read_parquet(path)
+      held = []
+      for j, row in enumerate(rows):
+        try:
+          held.append(check(row))
+        except RecordError as e:
+          raise RecordError(f"{path}:{j + 1}: {e}") from None
+      n = np.arange(1, len(rows) + 1)
+      return cls(path, n, np.asarray(held, bool).reshape(-1), table=tuple(rows))
+    stamp = _stamp(os.stat(path))
+    parts = distributed.gather_shares(lambda span: _scan(path, span, check), stamp[0])
+    if len({part["size"] for part in parts}) > 1:
+      raise RecordError(
+        f"{path} is not the same file in every process (sizes {[p['size'] for p in parts]}): "
+        "every host must see the same dataset file"
+      )
+    first = 0  # lines owned by the shares before this one
+    for part in parts:
+      if part["error"] is not None:
+        k, message = part["error"]
+        raise RecordError(f"{path}:{first + k + 1}: {message}")
+      part["line_nos"] = [first + k + 1 for k in part["local"]]
+      first += part["owned"]
+    join = lambda key, dtype: np.asarray(  # noqa: E731
+      [x for part in parts for x in part[key]], dtype
+    ).reshape(-1)
+    return cls(path, join("line_nos", np.int64), join("checked", bool), join("offsets", np.int64),
+               stamp)  # fmt: skip
+
+  def __len__(self) -> int:
+    return len(self.line_nos)
+
+  def read(self, js) -> list[tuple[int, Any]]:
+    """(line number, decoded value) of records `js`, read from the file now."""
+    if self.table is not None:
+      return [(int(self.line_nos[j]), self.table[j]) for j in js]
+    out = []
+    with open(self.path, "rb") as f:
+      now = _stamp(os.fstat(f.fileno()))
+      if now != self.stamp:
         raise RecordError(
-          f"{path}:{line_no}: not UTF-8 (byte {raw[e.start]:#04x} at column {e.start + 1}); "
-          "JSONL files must be UTF-8 encoded"
-        ) from None
-      if not line.strip():
-        continue  # a trailing newline or blank separator is not a record
-      try:
-        rows.append((line_no, json.loads(line)))
-      except json.JSONDecodeError as e:
-        raise RecordError(f"{path}:{line_no}: not valid JSON ({e.msg})") from None
-  return rows
+          f"{self.path} changed since the task indexed it (size {self.stamp[0]} -> {now[0]} "
+          f"bytes, modification time {self.stamp[1]} -> {now[1]} ns); a run's dataset file must "
+          "not change under it: restart the run to read the new file"
+        )
+      for j in js:
+        f.seek(int(self.offsets[j]))
+        out.append((int(self.line_nos[j]), _decode(f.readline())))
+    return out
+
+
+def _read_parquet(path: str) -> list[Any]:
+  try:
+    import pyarrow.parquet as pq
+  except ImportError:
+    raise ImportError(
+      f"reading {path!r} needs pyarrow, which is not installed; `pip install pyarrow` or "
+      "convert the file to JSONL"
+    ) from None
+  return pq.read_table(path).to_pylist()
 
 
 def _bucket(prompt: str) -> int:
@@ -83,7 +194,9 @@ class JsonlTask:
   plus every other field of the line, unchanged. With `answer_format="gsm8k"` the final answer is
   the text after the last "####" of the answer field ("... #### 72" -> "72"); with "raw" it is
   the whole answer field, stripped. Every record is checked when the task is built; a bad one
-  raises `RecordError` naming the file, the line and the field.
+  raises `RecordError` naming the file, the line and the field (the first bad line in the file,
+  in every process). Records are then read from the file when a batch needs them: the task
+  holds each record's byte offset, not the record; a file changed under a run is refused.
 
   The held-out split is either `held_out_path` (a second file in the same format) or, without
   one, the records whose prompt hashes into `held_out_fraction` of the buckets (as in
@@ -132,30 +245,30 @@ class JsonlTask:
       raise ValueError(
         f"answer_format must be one of {_ANSWER_FORMATS}, got {self.answer_format!r}"
       )
-    # Read and check every record now, not mid-run; not a field, so eq / hash / repr skip it.
-    object.__setattr__(self, "_split_records", self._load_splits())
+    # Index and check every record now, not mid-run; not fields, so eq / hash / repr skip them.
+    object.__setattr__(self, "_files", self._index_files())
 
   # ----------------------------------------------------------------------------------- records
 
-  def _record(self, path: str, line_no: int, row: Any) -> Record:
-    where = f"{path}:{line_no}"
+  def _record(self, row: Any) -> Record:
+    """The record of one decoded line; a RecordError naming the field (the caller adds where)."""
     if not isinstance(row, dict):
-      raise RecordError(f"{where}: a record must be a JSON object, got {type(row).__name__}")
+      raise RecordError(f"a record must be a JSON object, got {type(row).__name__}")
     for name in (self.prompt_field, self.answer_field):
       if name not in row:
-        raise RecordError(f"{where}: missing field {name!r} (fields present: {sorted(row)})")
+        raise RecordError(f"missing field {name!r} (fields present: {sorted(row)})")
     prompt, solution = row[self.prompt_field], row[self.answer_field]
     if not isinstance(prompt, str) or not prompt.strip():
-      raise RecordError(f"{where}: field {self.prompt_field!r} must be a non-empty string")
+      raise RecordError(f"field {self.prompt_field!r} must be a non-empty string")
     if isinstance(solution, int | float) and not isinstance(solution, bool):
       solution = str(solution)  # "answer": 72 is a fine raw answer
     if not isinstance(solution, str) or not solution.strip():
-      raise RecordError(f"{where}: field {self.answer_field!r} must be a non-empty string")
+      raise RecordError(f"field {self.answer_field!r} must be a non-empty string")
     if self.answer_format == "gsm8k":
       answer = final_answer(solution)
       if answer is None:
         raise RecordError(
-          f"{where}: field {self.answer_field!r} must end with '#### <final answer>' "
+          f"field {self.answer_field!r} must end with '#### <final answer>' "
           f"(answer_format='gsm8k'), got {solution[-60:]!r}"
         )
     else:
@@ -163,30 +276,56 @@ class JsonlTask:
     extra = {k: v for k, v in row.items() if k not in (self.prompt_field, self.answer_field)}
     return {**extra, "prompt": prompt, "answer": answer, "solution": solution}
 
-  def _load(self, path: str) -> list[Record]:
-    records = [self._record(path, line_no, row) for line_no, row in _read_rows(path)]
-    if not records:
-      raise RecordError(f"{path}: the file holds no records")
-    return records
-
-  def _load_splits(self) -> tuple[tuple[Record, ...], tuple[Record, ...]]:
-    records = self._load(self.path)
-    if self.held_out_path is not None:
-      return tuple(records), tuple(self._load(self.held_out_path))
+  def _index(self, path: str, *, by_hash: bool) -> _Rows:
     limit = self.held_out_fraction * _NUM_BUCKETS
-    train = tuple(r for r in records if _bucket(r["prompt"]) >= limit)
-    held_out = tuple(r for r in records if _bucket(r["prompt"]) < limit)
-    if not train:
+    rows = _Rows.index(path, lambda row: by_hash and _bucket(self._record(row)["prompt"]) < limit)
+    if not len(rows):
+      raise RecordError(f"{path}: the file holds no records")
+    return rows
+
+  def _index_files(self) -> dict[Split, tuple[_Rows, np.ndarray]]:
+    """Each split's file and the positions of its records in it."""
+    rows = self._index(self.path, by_hash=self.held_out_path is None)
+    if self.held_out_path is not None:
+      held = self._index(self.held_out_path, by_hash=False)
+      return {"train": (rows, np.arange(len(rows))), "held_out": (held, np.arange(len(held)))}
+    train = np.flatnonzero(~rows.held)
+    if not len(train):
       raise ValueError(
         f"held_out_fraction={self.held_out_fraction} leaves no training record in {self.path}"
       )
-    return train, held_out
+    return {"train": (rows, train), "held_out": (rows, np.flatnonzero(rows.held))}
 
-  def records(self, split: Split = "train") -> tuple[Record, ...]:
-    """Every record of `split`, in file order."""
+  def _split(self, split: Split) -> tuple[_Rows, np.ndarray]:
     if split not in ("train", "held_out"):
       raise ValueError(f"split must be 'train' or 'held_out', got {split!r}")
-    return self._split_records[0 if split == "train" else 1]
+    return self._files[split]
+
+  def _read(self, rows: _Rows, positions) -> list[Record]:
+    out = []
+    for line_no, row in rows.read(positions):
+      try:
+        out.append(self._record(row))
+      except RecordError as e:  # checked when indexed: only an edited file gets here
+        raise RecordError(f"{rows.path}:{line_no}: {e}") from None
+    return out
+
+  def _gather(self, split: Split, picks: np.ndarray) -> list[Record]:
+    """Records `picks` (indices into `split`), each process reading its share of them."""
+    rows, positions = self._split(split)
+    parts = distributed.gather_shares(
+      lambda share: self._read(rows, positions[picks[share.start : share.stop]]), len(picks)
+    )
+    return [record for part in parts for record in part]
+
+  def num_records(self, split: Split = "train") -> int:
+    """How many records `split` holds (nothing is read)."""
+    return len(self._split(split)[1])
+
+  def records(self, split: Split = "train") -> tuple[Record, ...]:
+    """Every record of `split`, in file order, read now (in a multi-process run every process
+    must call this together: each reads its share)."""
+    return tuple(self._gather(split, np.arange(self.num_records(split))))
 
   def sft_task(self, sft) -> JsonlTask:
     """The warm-start's data: the same records (config.sft's arithmetic data-mix fields do not
@@ -201,13 +340,14 @@ class JsonlTask:
     """`n` distinct held-out records, a deterministic sample (without replacement) for `seed`."""
     if isinstance(n, bool) or not isinstance(n, int) or n < 0:
       raise ValueError(f"n must be a non-negative int, got {n!r}")
-    records = self.records("held_out")
-    if n > len(records):
+    size = self.num_records("held_out")
+    if n > size:
       source = self.held_out_path or f"{self.path} with held_out_fraction={self.held_out_fraction}"
-      raise ValueError(f"asked for n={n} held-out records but {source} has only {len(records)}")
+      raise ValueError(f"asked for n={n} held-out records but {source} has only {size}")
     # The trailing tag keeps this stream apart from the training shuffles default_rng([seed, e]).
-    idx = np.random.default_rng([seed, _TRAIN_INDEX_SPACE]).permutation(len(records))[:n]
-    return [records[i] for i in idx]
+    return self._gather(
+      "held_out", np.random.default_rng([seed, _TRAIN_INDEX_SPACE]).permutation(size)[:n]
+    )
 
   def train_dataset(self, *, seed: int, batch_size: int) -> grain.IterDataset:
     """An infinite, checkpointable stream of training batches, reshuffled every epoch.
@@ -224,8 +364,8 @@ class JsonlTask:
       raise ValueError(f"seed must be a non-negative int, got {seed!r}")
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
       raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
-    records = self.records("train")
-    n = len(records)
+    rows, positions = self._split("train")
+    n = len(positions)
 
     @functools.lru_cache(maxsize=2)  # consecutive indices share an epoch's permutation
     def permutation(epoch: int) -> np.ndarray:
@@ -233,6 +373,6 @@ class JsonlTask:
 
     def make_record(i: int) -> Record:
       i = int(i)
-      return dict(records[permutation(i // n)[i % n]])  # a copy: callers may annotate records
+      return self._read(rows, [positions[permutation(i // n)[i % n]]])[0]
 
     return record_batches(make_record, batch_size=batch_size, index_space=_TRAIN_INDEX_SPACE)

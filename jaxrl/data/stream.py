@@ -65,7 +65,7 @@ def draw_pool(task, n: int, *, seed: int) -> list[dict]:
   epoch, a synthetic one for up to 100 * n records."""
   if isinstance(n, bool) or not isinstance(n, int) or n < 1:
     raise ValueError(f"a prompt pool needs n >= 1 prompts, got {n!r}")
-  size = len(task.records("train")) if hasattr(task, "records") else None
+  size = task.num_records("train") if hasattr(task, "num_records") else None
   limit = size if size is not None else 100 * n
   pool, seen, read = [], set(), 0
   for batch in task.train_dataset(seed=seed, batch_size=min(n, limit)):

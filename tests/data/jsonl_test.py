@@ -2,9 +2,13 @@
 
 import collections
 import json
+import os
 
+import numpy as np
 import pytest
 
+from jaxrl import distributed
+from jaxrl.data import jsonl
 from jaxrl.data.jsonl import JsonlTask, RecordError, final_answer
 
 GSM8K_LINES = [
@@ -215,3 +219,95 @@ def test_yielded_records_are_copies(tmp_path):
   batch = next(iter(task.train_dataset(seed=0, batch_size=3)))
   batch[0]["reward"] = 1.0
   assert all("reward" not in r for r in task.records())
+
+
+def _as_processes(monkeypatch, count):
+  """Every `gather_shares` runs `count` processes' shares here, in process order, as
+  jaxrl.distributed does across real processes (tests/multihost_test.py runs two)."""
+  shares = lambda fn, n: [fn(distributed.share(n, p, count)) for p in range(count)]  # noqa: E731
+  monkeypatch.setattr(distributed, "gather_shares", shares)
+
+
+@pytest.mark.parametrize("count", [2, 3, 5, 64])
+def test_processes_index_their_share_of_the_bytes_to_the_same_records(tmp_path, monkeypatch, count):
+  # Blank lines, multi-byte characters, no final newline: share boundaries fall mid-line, on a
+  # line's first byte, inside a multi-byte character and past the end of short files.
+  rows = [GSM8K_LINES[0], "", {"question": "caf\u00e9 \u00e0 \u20ac?", "answer": "#### 3"}]
+  rows += ["   ", *_numbered(7), GSM8K_LINES[2]]
+  path = _write(tmp_path / "d.jsonl", rows)
+  with open(path, "rb+") as f:
+    f.truncate(f.seek(0, 2) - 1)  # drop the final newline
+  one = JsonlTask(path, held_out_fraction=0.3)
+  scans, original = [], jsonl._scan
+
+  def scan(p, span, check):
+    scans.append((span, original(p, span, check)))
+    return scans[-1][1]
+
+  monkeypatch.setattr(jsonl, "_scan", scan)
+  _as_processes(monkeypatch, count)
+  many = JsonlTask(path, held_out_fraction=0.3)
+  size = os.path.getsize(path)
+  assert [span for span, _ in scans] == [distributed.share(size, p, count) for p in range(count)]
+  # Each share numbers the lines that start in it: together, every one of the 12 lines once.
+  assert sum(found["owned"] for _, found in scans) == 12
+  assert [o for _, found in scans for o in found["offsets"]] == list(one._split("train")[0].offsets)
+  for split in ("train", "held_out"):
+    assert many.records(split) == one.records(split)
+    mine, theirs = many._split(split), one._split(split)
+    np.testing.assert_array_equal(mine[0].line_nos, theirs[0].line_nos)
+    np.testing.assert_array_equal(mine[0].offsets, theirs[0].offsets)
+  assert list(one._split("train")[0].line_nos) == [1, 3, 5, 6, 7, 8, 9, 10, 11, 12]
+  stream = lambda t: _take(t.train_dataset(seed=2, batch_size=3), 5)  # noqa: E731
+  assert stream(many) == stream(one)
+  assert many.held_out(2, seed=1) == one.held_out(2, seed=1)
+
+
+@pytest.mark.parametrize("count", [1, 2, 4])
+@pytest.mark.parametrize("bad", [0, 5, 9])
+def test_the_first_bad_line_is_named_whichever_process_read_it(tmp_path, monkeypatch, count, bad):
+  rows = _numbered(10)
+  rows[bad] = '{"question": "q?"}'
+  if bad < 9:
+    rows[9] = "[1]"  # a later bad line: the first in the file is the one reported
+  _as_processes(monkeypatch, count)
+  with pytest.raises(RecordError, match=rf"d.jsonl:{bad + 1}: missing field 'answer'"):
+    JsonlTask(_write(tmp_path / "d.jsonl", rows))
+
+
+def test_records_are_read_when_needed_and_a_changed_file_is_refused(tmp_path, monkeypatch):
+  path = _write(tmp_path / "d.jsonl", _numbered(40))
+  task = JsonlTask(path)
+  read, original = [], jsonl._Rows.read
+  monkeypatch.setattr(jsonl._Rows, "read", lambda self, js: read.extend(js) or original(self, js))
+  batches = _take(task.train_dataset(seed=0, batch_size=4), 3)
+  assert len(read) == 12 and len(set(read)) == 12  # the 12 records asked for, no more
+  assert [r["prompt"] for b in batches for r in b] == [
+    f"q {int(i)}?" for i in np.random.default_rng([0, 0]).permutation(40)[:12]
+  ]
+  assert len(task.held_out(0)) == 0 and len(read) == 12
+  with open(path, "a") as f:
+    f.write(json.dumps(_numbered(1, prefix="new")[0]) + "\n")
+  with pytest.raises(
+    RecordError,
+    match=r"d.jsonl changed since the task indexed it \(size 1940 -> 1989 bytes.*restart the run",
+  ):
+    next(iter(task.train_dataset(seed=0, batch_size=4)))
+
+
+def test_processes_that_see_different_files_are_refused(tmp_path, monkeypatch):
+  path = _write(tmp_path / "d.jsonl", _numbered(10))
+  scan = jsonl._scan
+  sizes = iter([0, 7])  # the second process's copy is 7 bytes longer
+  monkeypatch.setattr(
+    jsonl,
+    "_scan",
+    lambda p, span, check: (f := scan(p, span, check)) | {"size": f["size"] + next(sizes)},
+  )
+  _as_processes(monkeypatch, 2)
+  size = os.path.getsize(path)
+  with pytest.raises(
+    RecordError,
+    match=rf"d.jsonl is not the same file in every process \(sizes \[{size}, {size + 7}\]\)",
+  ):
+    JsonlTask(path)
