@@ -106,3 +106,35 @@ def median_seconds(f: Callable, *args, reps: int) -> float:
     jax.block_until_ready(f(*args))
     out.append(time.perf_counter() - t)
   return statistics.median(out)
+
+
+class HostClock:
+  """The seconds a Trainer spends on host work, detokenising and scoring (its run's
+  `completions` and `score`), read at the start of every RL step. Attach before `run()`."""
+
+  def __init__(self, trainer):
+    self.total, self.marks = 0.0, []
+    run = trainer.ctx
+    for name in ("completions", "score"):
+      setattr(run, name, self._timed(getattr(run, name)))
+    step_fn = trainer.rl_step
+
+    def spy(step):
+      self.marks.append(self.total)
+      return step_fn(step)
+
+    trainer.rl_step = spy
+
+  def _timed(self, fn: Callable) -> Callable:
+    def timed(*args, **kwargs):
+      t0 = time.perf_counter()
+      try:
+        return fn(*args, **kwargs)
+      finally:
+        self.total += time.perf_counter() - t0
+
+    return timed
+
+  def per_step(self) -> list[float]:
+    """Host seconds of each RL step but the last (whose span runs into the final evaluation)."""
+    return [b - a for a, b in zip(self.marks, self.marks[1:], strict=False)]

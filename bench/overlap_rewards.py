@@ -24,7 +24,6 @@ import json
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 BENCH_DIR = Path(__file__).resolve().parent
@@ -32,7 +31,7 @@ REPO = BENCH_DIR.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(BENCH_DIR))
 
-from _common import machine, versions  # noqa: E402
+from _common import HostClock, machine, versions  # noqa: E402
 
 from jaxrl.config import config_module, validate  # noqa: E402
 from jaxrl.metrics import read_jsonl  # noqa: E402
@@ -66,33 +65,14 @@ def _run(job: str, mode: str, seed: int, args) -> dict:
   """Seconds per measured RL step and, without the overlap, the host work's share of it."""
   with tempfile.TemporaryDirectory() as wd:
     trainer = Trainer(_config(job, MODES[mode], seed, args, wd), log=lambda *_: None)
-    host, marks = [0.0], []
-    run = trainer.ctx
-    for name in ("completions", "score"):
-      inner = getattr(run, name)
-
-      def timed(*a, _inner=inner, **kw):
-        t0 = time.perf_counter()
-        out = _inner(*a, **kw)
-        host[0] += time.perf_counter() - t0
-        return out
-
-      setattr(run, name, timed)
-    step_fn = trainer.rl_step
-
-    def spy(step):
-      marks.append(host[0])
-      return step_fn(step)
-
-    trainer.rl_step = spy
+    clock = HostClock(trainer)
     try:
       trainer.run()
     finally:
       trainer.close()
     rows = [r for r in read_jsonl(Path(wd) / "metrics.jsonl") if r["phase"] == "rl"]
-  rows, marks = rows[args.warmup :], marks[args.warmup :] + [host[0]]
+  rows, host_s = rows[args.warmup :], clock.per_step()[args.warmup :]
   walls = [r["time/rollout_s"] + r["time/train_s"] for r in rows]
-  host_s = [b - a for a, b in zip(marks, marks[1:], strict=False)]  # includes the final eval's
   out = {
     "step_s": statistics.fmean(walls),
     "rollout_s": statistics.fmean(r["time/rollout_s"] for r in rows),
@@ -100,7 +80,7 @@ def _run(job: str, mode: str, seed: int, args) -> dict:
     "response_length": statistics.fmean(r["rl/response_length"] for r in rows),
   }
   if mode == "sync":
-    out["host_s"] = statistics.fmean(host_s[:-1])
+    out["host_s"] = statistics.fmean(host_s)
     out["host_share"] = out["host_s"] / out["step_s"]
   return out
 

@@ -42,7 +42,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(BENCH_DIR))
 
 import jax  # noqa: E402
-from _common import machine, versions  # noqa: E402
+from _common import HostClock, machine, versions  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 
 from jaxrl.config import config_module, validate  # noqa: E402
@@ -79,26 +79,7 @@ def _config(mode: str, seed: int, steps: int, workdir: str):
 def _run(mode: str, seed: int, steps: int, warmup: int) -> tuple[dict, Trainer]:
   with tempfile.TemporaryDirectory() as wd:
     trainer = Trainer(_config(mode, seed, steps, wd), log=lambda *_: None)
-    host = [0.0]  # detokenising and scoring, the host work of a rollout
-    run = trainer.ctx
-    for name in ("completions", "score"):
-      inner = getattr(run, name)
-
-      def timed(*a, _inner=inner, **kw):
-        t0 = time.perf_counter()
-        out = _inner(*a, **kw)
-        host[0] += time.perf_counter() - t0
-        return out
-
-      setattr(run, name, timed)
-    host_at = {}
-    step_fn = trainer.rl_step
-
-    def spy(step):
-      host_at[step] = host[0]
-      return step_fn(step)
-
-    trainer.rl_step = spy
+    clock = HostClock(trainer)  # detokenising and scoring, the host work of a rollout
     trainer.run()
     trainer.close()
     rows = [r for r in read_jsonl(Path(wd) / "metrics.jsonl") if r["phase"] == "rl"][warmup:]
@@ -112,9 +93,7 @@ def _run(mode: str, seed: int, steps: int, warmup: int) -> tuple[dict, Trainer]:
   }
   if mode == "colocated":
     # Host work per measured step (rollouts are sampled inside the step, in this thread).
-    measured = sorted(host_at)[warmup:]
-    host_s = [host_at[s + 1] - host_at[s] for s in measured[:-1]]
-    out["host_s"] = statistics.fmean(host_s)
+    out["host_s"] = statistics.fmean(clock.per_step()[warmup:])
     out["host_share"] = out["host_s"] / out["step_s"]
   else:
     out["push_s"] = statistics.median(r["time/push_s"] for r in rows)
