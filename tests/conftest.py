@@ -22,6 +22,3 @@ _cache = os.environ.get("JAXRL_TEST_XLA_CACHE") or os.path.join(
 if _cache != "0":
   jax.config.update("jax_compilation_cache_dir", _cache)
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
-  # The same for the jobs tests start in subprocesses (launch.train, multi-process workers).
-  os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache
-  os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0.2"
