@@ -612,6 +612,29 @@ def _(tmp):
   return JsonlTask(tmp / "nope.jsonl")
 
 
+@entry(
+  "dataset records",
+  "a .parquet file that is not Parquet",
+  "data.parquet: not a readable Parquet file (ArrowInvalid: ",
+)
+def _(tmp):
+  return JsonlTask(_jsonl(tmp, '{"question": "q", "answer": "#### 4"}\n', "data.parquet"))
+
+
+@entry(
+  "dataset records",
+  "a Parquet row whose answer is null",
+  "data.parquet:2: field 'answer' must be a non-empty string",
+)
+def _(tmp):
+  import pyarrow as pa
+  import pyarrow.parquet as pq
+
+  rows = [{"question": "q", "answer": "#### 4"}, {"question": "r", "answer": None}]
+  pq.write_table(pa.Table.from_pylist(rows), tmp / "data.parquet")
+  return JsonlTask(tmp / "data.parquet")
+
+
 # ---------------------------------------------------------------------------------- checkpoints
 
 

@@ -14,6 +14,8 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
 from jaxrl import distributed
@@ -44,15 +46,20 @@ def _checkpoint(path: Path) -> Path:
 
 def _jsonl_files(folder: Path) -> Path:
   """A 60-line GSM8K-style file (blank lines, multi-byte characters) and one whose line 50, in
-  the second half of its bytes, lacks its answer."""
+  the second half of its bytes, lacks its answer; the same 51 records as Parquet files (the bad
+  one's row 45 has no final answer)."""
   folder.mkdir()
   lines = [
     "" if i % 7 == 3 else json.dumps({"question": f"\u00e9t\u00e9 {i}?", "answer": f"x\n#### {i}"})
     for i in range(60)
   ]  # fmt: skip
   (folder / "good.jsonl").write_text("\n".join(lines) + "\n")
+  rows = [json.loads(line) for line in lines if line]  # and as Parquet, in row groups of 8
+  pq.write_table(pa.Table.from_pylist(rows), folder / "good.parquet", row_group_size=8)
   lines[49] = json.dumps({"question": "q?"})
   (folder / "bad.jsonl").write_text("\n".join(lines) + "\n")
+  rows[44] = {"question": "q?", "answer": "no final answer"}
+  pq.write_table(pa.Table.from_pylist(rows), folder / "bad.parquet", row_group_size=8)
   return folder
 
 
@@ -161,6 +168,23 @@ def test_each_process_indexes_and_reads_only_its_share_of_a_jsonl_file(runs):
   assert one["jsonl"]["error"].endswith(
     "bad.jsonl:50: missing field 'answer' (fields present: ['question'])"
   )
+
+
+def test_each_process_checks_only_its_share_of_a_parquet_files_row_groups(runs):
+  (one,), two = runs
+  # 51 rows in 7 groups of 8 (0-7, ..., 48-50): groups 0-3 are process 0's, 4-6 process 1's.
+  assert one["parquet"]["scans"] == [[0, 7, list(range(7))], [0, 7, list(range(6))]]
+  assert [p["parquet"]["scans"][0] for p in two] == [[0, 4, [0, 1, 2, 3]], [4, 7, [4, 5, 6]]]
+  # bad.parquet: process 1 holds its bad row 45 (group 5) and stops there.
+  assert [p["parquet"]["scans"][1] for p in two] == [[0, 4, [0, 1, 2, 3]], [4, 7, [4, 5]]]
+  for p in two:
+    assert p["parquet"]["batches"] == one["parquet"]["batches"] == one["jsonl"]["batches"]
+    assert p["parquet"]["held"] == one["parquet"]["held"] == one["jsonl"]["held"]
+    assert p["parquet"]["error"] == one["parquet"]["error"]
+  assert one["parquet"]["error"].startswith("RecordError: ")
+  assert one["parquet"]["error"].endswith("bad.parquet:45: field 'answer' must end with "
+                                          "'#### <final answer>' (answer_format='gsm8k'), got "
+                                          "'no final answer'")  # fmt: skip
 
 
 def test_two_processes_run_the_default_jobs_smoke_as_one(runs, tmp_path_factory):

@@ -7,7 +7,8 @@ so every step has a gradient) in that workdir, every process in the same one, co
 training records this process made and the completions it scored; with several processes, the
 same job again in WORKDIR_resumed, stopped after one RL step and resumed. With --jsonl, first
 index DIR/good.jsonl as a JSONL task and read batches and held-out records from it, noting which
-bytes this process scanned and how many records it read, then index DIR/bad.jsonl (one bad line).
+bytes this process scanned and how many records it read, then index DIR/bad.jsonl (one bad line);
+then the same for DIR/good.parquet and DIR/bad.parquet, noting which row groups it read.
 
   python tests/multihost_worker.py --out=DIR [--coordinator=HOST:PORT --num-processes=N]
                                    [--hf=CHECKPOINT_DIR] [--trainer=WORKDIR] [--jsonl=DIR]
@@ -99,6 +100,7 @@ def main() -> None:
   }
   split = sum(not x.is_fully_addressable for x in jax.tree.leaves(state.params))
   files = _jsonl(args.jsonl) if args.jsonl else None
+  tables = _parquet(args.jsonl) if args.jsonl else None
   work = _trainer(args.trainer) if args.trainer else None
   if args.trainer and jax.process_count() > 1:  # the same job, preempted after 1 RL step
     _trainer(args.trainer + "_resumed", until=1)
@@ -122,6 +124,7 @@ def main() -> None:
     "compiles": step._cache_size(),
     "hf": hf,
     "jsonl": files,
+    "parquet": tables,
     "work": work,
     "shares": shares,
     "failure": failure,
@@ -186,6 +189,41 @@ def _jsonl(folder: str) -> dict:
   finally:
     jsonl._scan, jsonl._Rows.read = scan, rows_read
   return {"scans": scans, "read": read, "batches": batches, "held": held, "error": error}
+
+
+def _parquet(folder: str) -> dict:
+  """The same for the Parquet copies: which row groups each scan of this process read."""
+  import pyarrow.parquet as pq
+
+  from jaxrl.data import jsonl
+
+  scans, scan, read_group = [], jsonl._scan_parquet, pq.ParquetFile.read_row_group
+  groups: list[int] = []
+
+  def counting_scan(path, share, check):
+    before = len(groups)
+    found = scan(path, share, check)
+    scans.append([share.start, share.stop, groups[before:]])
+    return found
+
+  def counting_read_group(self, g, *args, **kwargs):
+    groups.append(int(g))
+    return read_group(self, g, *args, **kwargs)
+
+  jsonl._scan_parquet, pq.ParquetFile.read_row_group = counting_scan, counting_read_group
+  try:
+    task = jsonl.JsonlTask(str(Path(folder) / "good.parquet"), held_out_fraction=0.25)
+    it = iter(task.train_dataset(seed=0, batch_size=6))
+    batches = [[r["prompt"] for r in next(it)] for _ in range(3)]
+    held = [r["prompt"] for r in task.held_out(4, seed=1)]
+    try:
+      jsonl.JsonlTask(str(Path(folder) / "bad.parquet"))
+      error = None
+    except Exception as e:
+      error = f"{type(e).__name__}: {e}"
+  finally:
+    jsonl._scan_parquet, pq.ParquetFile.read_row_group = scan, read_group
+  return {"scans": scans, "batches": batches, "held": held, "error": error}
 
 
 def _trainer(workdir: str, until: int | None = None) -> dict:

@@ -3,7 +3,9 @@
 A JSONL file is never held in memory: the task keeps where each record starts (a byte offset and
 its line number) and reads a record when it is needed. In a multi-process run (jaxrl.distributed)
 each process checks only the lines that start in its share of the file's bytes, and makes only
-its share of every batch, so every line is read by one process, not all of them."""
+its share of every batch, so every line is read by one process, not all of them. A Parquet file
+(pyarrow) is read the same way by row group, the unit Parquet stores: each process checks its
+share of the row groups, and a record is read with its group."""
 
 from __future__ import annotations
 
@@ -12,6 +14,8 @@ import functools
 import hashlib
 import json
 import os
+import threading
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any, Literal
 
@@ -95,43 +99,91 @@ def _scan(path: str, span: range, check: Callable[[Any], Any]) -> dict:
   return found | {"error": error, "size": os.path.getsize(path)}
 
 
+def _parquet(path: str):
+  """`pyarrow.parquet.ParquetFile(path)`; clear errors without pyarrow or for a bad file."""
+  try:
+    import pyarrow.parquet as pq
+  except ImportError:
+    raise ImportError(
+      f"reading {path!r} needs pyarrow, which is not installed; `pip install pyarrow` or "
+      "convert the file to JSONL"
+    ) from None
+  try:
+    return pq.ParquetFile(path)
+  except Exception as e:  # pyarrow's ArrowInvalid / OSError for a file that is not Parquet
+    raise RecordError(f"{path}: not a readable Parquet file ({type(e).__name__}: {e})") from None
+
+
+def _group_starts(file) -> np.ndarray:
+  """Row index where each row group starts, and the row count last: [0, n0, n0 + n1, ..., n]."""
+  meta = file.metadata
+  sizes = [meta.row_group(g).num_rows for g in range(meta.num_row_groups)]
+  return np.concatenate([[0], np.cumsum(sizes, dtype=np.int64)]).astype(np.int64)
+
+
+def _scan_parquet(path: str, groups: range, check: Callable[[Any], Any]) -> dict:
+  """Row groups `groups` of a Parquet file, read one at a time: `check(row)` of each row and the
+  first bad row (its index in the file, message). Reading stops at the first bad row, as `_scan`
+  does."""
+  file = _parquet(path)
+  starts, checked, error = _group_starts(file), [], None
+  for g in groups:
+    for i, row in enumerate(file.read_row_group(g).to_pylist()):
+      try:
+        checked.append(check(row))
+      except RecordError as e:
+        error = (int(starts[g]) + i, str(e))
+        break
+    if error is not None:
+      break
+  return {"checked": checked, "error": error, "size": os.path.getsize(path)}
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class _Rows:
   """Where the records of one file are. JSONL: the byte offset and 1-based line number of every
-  non-blank line (the lines themselves are read when asked for). Parquet (read with pyarrow,
-  whole): the rows. `held[j]`: record j hashed into the held-out split."""
+  non-blank line. Parquet: the rows' row groups (`groups`, from `_group_starts`); line numbers
+  are row numbers. Records are read when asked for (the last few Parquet row groups read are
+  kept). `held[j]`: record j hashed into the held-out split."""
 
   path: str
   line_nos: np.ndarray
   held: np.ndarray
+  stamp: tuple[int, int]
   offsets: np.ndarray | None = None
-  stamp: tuple[int, int] | None = None
-  table: tuple | None = None
+  groups: np.ndarray | None = None
+  cache: OrderedDict = dataclasses.field(default_factory=OrderedDict, compare=False, repr=False)
+  lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, repr=False)
+
+  CACHED_GROUPS = 4
 
   @classmethod
   def index(cls, path: str, check: Callable[[Any], bool]) -> _Rows:
     """Index `path`, calling `check(value) -> held_out?` on every record (it raises RecordError
     for a bad one, which is re-raised naming the file and line). Every process calls this
-    together: each checks the lines in its share of the bytes and they exchange the offsets."""
+    together: each checks the lines in its share of the bytes (of a Parquet file: its share of
+    the row groups) and they exchange what they found."""
     if not os.path.isfile(path):
       raise FileNotFoundError(f"dataset file {path!r} does not exist")
-    if path.endswith(".parquet"):
-      rows = _read_parquet(path)
-      held = []
-      for j, row in enumerate(rows):
-        try:
-          held.append(check(row))
-        except RecordError as e:
-          raise RecordError(f"{path}:{j + 1}: {e}") from None
-      n = np.arange(1, len(rows) + 1)
-      return cls(path, n, np.asarray(held, bool).reshape(-1), table=tuple(rows))
     stamp = _stamp(os.stat(path))
-    parts = distributed.gather_shares(lambda span: _scan(path, span, check), stamp[0])
+    if path.endswith(".parquet"):
+      groups = _group_starts(_parquet(path))
+      n, num_groups = int(groups[-1]), len(groups) - 1
+      parts = distributed.gather_shares(lambda gs: _scan_parquet(path, gs, check), num_groups)
+    else:
+      parts = distributed.gather_shares(lambda span: _scan(path, span, check), stamp[0])
     if len({part["size"] for part in parts}) > 1:
       raise RecordError(
         f"{path} is not the same file in every process (sizes {[p['size'] for p in parts]}): "
         "every host must see the same dataset file"
       )
+    if path.endswith(".parquet"):
+      for part in parts:
+        if part["error"] is not None:
+          j, message = part["error"]
+          raise RecordError(f"{path}:{j + 1}: {message}")
+      held = np.asarray([x for part in parts for x in part["checked"]], bool).reshape(-1)
+      return cls(path, np.arange(1, n + 1), held, stamp, groups=groups)
     first = 0  # lines owned by the shares before this one
     for part in parts:
       if part["error"] is not None:
@@ -142,40 +194,47 @@ class _Rows:
     join = lambda key, dtype: np.asarray(  # noqa: E731
       [x for part in parts for x in part[key]], dtype
     ).reshape(-1)
-    return cls(path, join("line_nos", np.int64), join("checked", bool), join("offsets", np.int64),
-               stamp)  # fmt: skip
+    return cls(path, join("line_nos", np.int64), join("checked", bool), stamp,
+               offsets=join("offsets", np.int64))  # fmt: skip
 
   def __len__(self) -> int:
     return len(self.line_nos)
 
+  def _unchanged(self, now: tuple[int, int]) -> None:
+    if now != self.stamp:
+      raise RecordError(
+        f"{self.path} changed since the task indexed it (size {self.stamp[0]} -> {now[0]} "
+        f"bytes, modification time {self.stamp[1]} -> {now[1]} ns); a run's dataset file must "
+        "not change under it: restart the run to read the new file"
+      )
+
+  def _group(self, g: int) -> list:
+    """Row group `g`'s rows, from the cache or the file."""
+    with self.lock:
+      if g in self.cache:
+        self.cache.move_to_end(g)
+        return self.cache[g]
+      rows = self.cache[g] = _parquet(self.path).read_row_group(g).to_pylist()
+      while len(self.cache) > self.CACHED_GROUPS:
+        self.cache.popitem(last=False)
+      return rows
+
   def read(self, js) -> list[tuple[int, Any]]:
     """(line number, decoded value) of records `js`, read from the file now."""
-    if self.table is not None:
-      return [(int(self.line_nos[j]), self.table[j]) for j in js]
+    if self.groups is not None:
+      self._unchanged(_stamp(os.stat(self.path)))  # a cached group too is refused, as JSONL's
+      out = []
+      for j in js:
+        g = int(np.searchsorted(self.groups, j, side="right")) - 1
+        out.append((int(self.line_nos[j]), self._group(g)[int(j) - int(self.groups[g])]))
+      return out
     out = []
     with open(self.path, "rb") as f:
-      now = _stamp(os.fstat(f.fileno()))
-      if now != self.stamp:
-        raise RecordError(
-          f"{self.path} changed since the task indexed it (size {self.stamp[0]} -> {now[0]} "
-          f"bytes, modification time {self.stamp[1]} -> {now[1]} ns); a run's dataset file must "
-          "not change under it: restart the run to read the new file"
-        )
+      self._unchanged(_stamp(os.fstat(f.fileno())))
       for j in js:
         f.seek(int(self.offsets[j]))
         out.append((int(self.line_nos[j]), _decode(f.readline())))
     return out
-
-
-def _read_parquet(path: str) -> list[Any]:
-  try:
-    import pyarrow.parquet as pq
-  except ImportError:
-    raise ImportError(
-      f"reading {path!r} needs pyarrow, which is not installed; `pip install pyarrow` or "
-      "convert the file to JSONL"
-    ) from None
-  return pq.read_table(path).to_pylist()
 
 
 def _bucket(prompt: str) -> int:
@@ -195,8 +254,10 @@ class JsonlTask:
   the text after the last "####" of the answer field ("... #### 72" -> "72"); with "raw" it is
   the whole answer field, stripped. Every record is checked when the task is built; a bad one
   raises `RecordError` naming the file, the line and the field (the first bad line in the file,
-  in every process). Records are then read from the file when a batch needs them: the task
-  holds each record's byte offset, not the record; a file changed under a run is refused.
+  in every process; a Parquet row's "line" is its row number). Records are then read from the
+  file when a batch needs them: the task holds each record's byte offset (of a Parquet file, its
+  row group; the last `_Rows.CACHED_GROUPS` groups read are kept), not the record; a file changed
+  under a run is refused.
 
   The held-out split is either `held_out_path` (a second file in the same format) or, without
   one, the records whose prompt hashes into `held_out_fraction` of the buckets (as in

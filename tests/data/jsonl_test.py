@@ -132,20 +132,6 @@ def test_bad_files_and_arguments(tmp_path):
     JsonlTask(good).train_dataset(seed=0, batch_size=0)
 
 
-def test_parquet_needs_pyarrow_or_reads(tmp_path):
-  path = tmp_path / "data.parquet"
-  try:
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-  except ImportError:
-    path.write_bytes(b"PAR1")
-    with pytest.raises(ImportError, match="needs pyarrow"):
-      JsonlTask(str(path))
-    return
-  pq.write_table(pa.Table.from_pylist(GSM8K_LINES[:2]), path)
-  assert [r["answer"] for r in JsonlTask(str(path)).records()] == ["72", "10"]
-
-
 def test_hash_split_is_disjoint_stable_and_monotone(tmp_path):
   rows = _numbered(400)
   rows += rows[:50]  # duplicated prompts must land on the same side
