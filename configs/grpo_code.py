@@ -7,13 +7,17 @@ limits always): 1.0 iff all four pass. Coefficients in [-20, 20], linear f (task
 
 Launch:
   bash launch/train.sh --config=configs/grpo_code.py
+  bash launch/train.sh --config=configs/grpo_code.py:quadratic  # room for RL (see below)
   bash launch/train.sh --config=configs/grpo_code.py:smoke      # about a minute
 
 Every completion is a process: ~30-60 ms each on a 2-core CPU, `reward.sandbox.workers` at a
 time, so a step of 64 x 8 samples spends ~10 s scoring. Expected (docs/results.md, "The code
 task", seed 0 only, not a claim over seeds): held-out 0.969 after the warm-start, with a training
-reward of ~1.0 from the first RL step: GRPO has little left to do on this task. ':smoke' only
-checks that everything moves.
+reward of ~1.0 from the first RL step: GRPO has little left to do on this task.
+':quadratic' (f = c*x*x + a*x + b, coefficients in [-9, 9], a 600-step warm-start) leaves room:
+seed-0 probes gave held-out 0.10 greedy after 300 warm-start steps, 0.71 greedy / 0.30 sampled
+after 600 (0.94 greedy after 1,200), training reward 0.33 at RL step 1; what GRPO makes of it
+is not yet measured. ':smoke' only checks that everything moves.
 """
 
 from pathlib import Path
@@ -22,7 +26,7 @@ import ml_collections
 
 from jaxrl.config import complete, config_module
 
-VARIANTS = ("", "smoke")
+VARIANTS = ("", "quadratic", "smoke")
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
@@ -33,8 +37,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c = config_module(Path(__file__).with_name("grpo_arith.py")).get_config(
     "smoke" if smoke else None
   )
-  c.workdir = "runs/grpo_code" + ("_smoke" if smoke else "")
+  c.workdir = "runs/grpo_code" + (f"_{arg}" if arg else "")
   c.task = dict(name="functions", max_coef=20, max_degree=1, held_out_fraction=0.1)
+  if arg == "quadratic":
+    c.task.update(max_coef=9, max_degree=2)
   # A completion that does not compile or fails a test scores 0 (not an error); only a sandbox
   # that cannot start is one, and it should stop the run.
   c.reward = dict(
@@ -49,7 +55,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   if smoke:
     c.eval.num_examples = 32
   else:
-    c.sft.steps = 1200
+    c.sft.steps = 600 if arg == "quadratic" else 1200
     c.rl.steps = 100
     c.rl.optim.learning_rate = 3e-5
     c.eval.every = 20

@@ -29,6 +29,8 @@ def test_full_config_validates_and_documents_itself(path):
     "docstring: command, runtime, result"
   )
   validate(mod.get_config(None))
+  for variant in getattr(mod, "VARIANTS", ()):  # every variant a config names is valid
+    validate(mod.get_config(variant))
   with pytest.raises(ValueError, match="smoke"):
     mod.get_config("smok")
 
