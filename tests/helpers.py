@@ -193,3 +193,17 @@ def distinct_block_elements(x, *, addressable: bool = False) -> int:
     key = tuple(s.indices(n)[:2] for s, n in zip(idx, x.shape, strict=True))
     seen[key] = math.prod(b - a for a, b in key)
   return sum(seen.values())
+
+
+def gsm8k_rows(n: int, prefix: str = "q") -> list[dict]:
+  """`n` GSM8K-style records: {"question": "q 0?", "answer": "work\\n#### 0"}, ..."""
+  return [{"question": f"{prefix} {i}?", "answer": f"work\n#### {i}"} for i in range(n)]
+
+
+def as_processes(monkeypatch, count: int) -> None:
+  """Every `jaxrl.distributed.gather_shares` runs `count` processes' shares here, in process
+  order, as it does across real processes (tests/multihost_test.py runs two)."""
+  from jaxrl import distributed
+
+  shares = lambda fn, n: [fn(distributed.share(n, p, count)) for p in range(count)]  # noqa: E731
+  monkeypatch.setattr(distributed, "gather_shares", shares)

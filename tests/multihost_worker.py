@@ -177,18 +177,26 @@ def _jsonl(folder: str) -> dict:
 
   jsonl._scan, jsonl._Rows.read = counting_scan, counting_read
   try:
-    task = jsonl.JsonlTask(str(Path(folder) / "good.jsonl"), held_out_fraction=0.25)
-    it = iter(task.train_dataset(seed=0, batch_size=6))
-    batches = [[r["prompt"] for r in next(it)] for _ in range(3)]
-    held = [r["prompt"] for r in task.held_out(4, seed=1)]
-    try:
-      jsonl.JsonlTask(str(Path(folder) / "bad.jsonl"))
-      error = None
-    except Exception as e:
-      error = f"{type(e).__name__}: {e}"
+    got = _use(folder, "jsonl")
   finally:
     jsonl._scan, jsonl._Rows.read = scan, rows_read
-  return {"scans": scans, "read": read, "batches": batches, "held": held, "error": error}
+  return {"scans": scans, "read": read, **got}
+
+
+def _use(folder: str, ext: str) -> dict:
+  """Three batches and four held-out prompts from good.EXT, and the error bad.EXT gives."""
+  from jaxrl.data.jsonl import JsonlTask
+
+  task = JsonlTask(str(Path(folder) / f"good.{ext}"), held_out_fraction=0.25)
+  it = iter(task.train_dataset(seed=0, batch_size=6))
+  batches = [[r["prompt"] for r in next(it)] for _ in range(3)]
+  held = [r["prompt"] for r in task.held_out(4, seed=1)]
+  try:
+    JsonlTask(str(Path(folder) / f"bad.{ext}"))
+    error = None
+  except Exception as e:
+    error = f"{type(e).__name__}: {e}"
+  return {"batches": batches, "held": held, "error": error}
 
 
 def _parquet(folder: str) -> dict:
@@ -212,18 +220,10 @@ def _parquet(folder: str) -> dict:
 
   jsonl._scan_parquet, pq.ParquetFile.read_row_group = counting_scan, counting_read_group
   try:
-    task = jsonl.JsonlTask(str(Path(folder) / "good.parquet"), held_out_fraction=0.25)
-    it = iter(task.train_dataset(seed=0, batch_size=6))
-    batches = [[r["prompt"] for r in next(it)] for _ in range(3)]
-    held = [r["prompt"] for r in task.held_out(4, seed=1)]
-    try:
-      jsonl.JsonlTask(str(Path(folder) / "bad.parquet"))
-      error = None
-    except Exception as e:
-      error = f"{type(e).__name__}: {e}"
+    got = _use(folder, "parquet")
   finally:
     jsonl._scan_parquet, pq.ParquetFile.read_row_group = scan, read_group
-  return {"scans": scans, "batches": batches, "held": held, "error": error}
+  return {"scans": scans, **got}
 
 
 def _trainer(workdir: str, until: int | None = None) -> dict:

@@ -6,6 +6,7 @@ import os
 
 import numpy as np
 import pytest
+from helpers import as_processes, gsm8k_rows
 
 from jaxrl import distributed
 from jaxrl.data import jsonl
@@ -33,10 +34,6 @@ def _write(path, rows):
     for row in rows:
       f.write((row if isinstance(row, str) else json.dumps(row)) + "\n")
   return str(path)
-
-
-def _numbered(n, prefix="q"):
-  return [{"question": f"{prefix} {i}?", "answer": f"work\n#### {i}"} for i in range(n)]
 
 
 def _take(it, n):
@@ -133,7 +130,7 @@ def test_bad_files_and_arguments(tmp_path):
 
 
 def test_hash_split_is_disjoint_stable_and_monotone(tmp_path):
-  rows = _numbered(400)
+  rows = gsm8k_rows(400)
   rows += rows[:50]  # duplicated prompts must land on the same side
   path = _write(tmp_path / "data.jsonl", rows)
   task = JsonlTask(path, held_out_fraction=0.2)
@@ -151,8 +148,8 @@ def test_hash_split_is_disjoint_stable_and_monotone(tmp_path):
 
 
 def test_held_out_file_split(tmp_path):
-  train = _write(tmp_path / "train.jsonl", _numbered(30))
-  test = _write(tmp_path / "test.jsonl", _numbered(12, prefix="test"))
+  train = _write(tmp_path / "train.jsonl", gsm8k_rows(30))
+  test = _write(tmp_path / "test.jsonl", gsm8k_rows(12, prefix="test"))
   task = JsonlTask(train, held_out_path=test)
   assert len(task.records("train")) == 30
   sample = task.held_out(5, seed=1)
@@ -165,7 +162,7 @@ def test_held_out_file_split(tmp_path):
 
 
 def test_epochs_cover_every_record_once_and_reshuffle(tmp_path):
-  task = JsonlTask(_write(tmp_path / "d.jsonl", _numbered(10)))
+  task = JsonlTask(_write(tmp_path / "d.jsonl", gsm8k_rows(10)))
   records = [r for b in _take(task.train_dataset(seed=3, batch_size=5), 6) for r in b]
   epochs = [[r["prompt"] for r in records[i : i + 10]] for i in (0, 10, 20)]
   for epoch in epochs:
@@ -175,7 +172,7 @@ def test_epochs_cover_every_record_once_and_reshuffle(tmp_path):
 
 
 def test_deterministic_by_seed(tmp_path):
-  task = JsonlTask(_write(tmp_path / "d.jsonl", _numbered(50)))
+  task = JsonlTask(_write(tmp_path / "d.jsonl", gsm8k_rows(50)))
   a = _take(task.train_dataset(seed=7, batch_size=4), 20)
   assert a == _take(task.train_dataset(seed=7, batch_size=4), 20)
   assert a != _take(task.train_dataset(seed=8, batch_size=4), 20)
@@ -185,7 +182,7 @@ def test_deterministic_by_seed(tmp_path):
 
 
 def test_resume_is_exact(tmp_path):
-  path = _write(tmp_path / "d.jsonl", _numbered(13))
+  path = _write(tmp_path / "d.jsonl", gsm8k_rows(13))
   task = JsonlTask(path)
   it = iter(task.train_dataset(seed=11, batch_size=4))
   _take(it, 5)
@@ -201,17 +198,10 @@ def test_resume_is_exact(tmp_path):
 
 
 def test_yielded_records_are_copies(tmp_path):
-  task = JsonlTask(_write(tmp_path / "d.jsonl", _numbered(3)))
+  task = JsonlTask(_write(tmp_path / "d.jsonl", gsm8k_rows(3)))
   batch = next(iter(task.train_dataset(seed=0, batch_size=3)))
   batch[0]["reward"] = 1.0
   assert all("reward" not in r for r in task.records())
-
-
-def _as_processes(monkeypatch, count):
-  """Every `gather_shares` runs `count` processes' shares here, in process order, as
-  jaxrl.distributed does across real processes (tests/multihost_test.py runs two)."""
-  shares = lambda fn, n: [fn(distributed.share(n, p, count)) for p in range(count)]  # noqa: E731
-  monkeypatch.setattr(distributed, "gather_shares", shares)
 
 
 @pytest.mark.parametrize("count", [2, 3, 5, 64])
@@ -219,7 +209,7 @@ def test_processes_index_their_share_of_the_bytes_to_the_same_records(tmp_path, 
   # Blank lines, multi-byte characters, no final newline: share boundaries fall mid-line, on a
   # line's first byte, inside a multi-byte character and past the end of short files.
   rows = [GSM8K_LINES[0], "", {"question": "caf\u00e9 \u00e0 \u20ac?", "answer": "#### 3"}]
-  rows += ["   ", *_numbered(7), GSM8K_LINES[2]]
+  rows += ["   ", *gsm8k_rows(7), GSM8K_LINES[2]]
   path = _write(tmp_path / "d.jsonl", rows)
   with open(path, "rb+") as f:
     f.truncate(f.seek(0, 2) - 1)  # drop the final newline
@@ -231,7 +221,7 @@ def test_processes_index_their_share_of_the_bytes_to_the_same_records(tmp_path, 
     return scans[-1][1]
 
   monkeypatch.setattr(jsonl, "_scan", scan)
-  _as_processes(monkeypatch, count)
+  as_processes(monkeypatch, count)
   many = JsonlTask(path, held_out_fraction=0.3)
   size = os.path.getsize(path)
   assert [span for span, _ in scans] == [distributed.share(size, p, count) for p in range(count)]
@@ -252,17 +242,17 @@ def test_processes_index_their_share_of_the_bytes_to_the_same_records(tmp_path, 
 @pytest.mark.parametrize("count", [1, 2, 4])
 @pytest.mark.parametrize("bad", [0, 5, 9])
 def test_the_first_bad_line_is_named_whichever_process_read_it(tmp_path, monkeypatch, count, bad):
-  rows = _numbered(10)
+  rows = gsm8k_rows(10)
   rows[bad] = '{"question": "q?"}'
   if bad < 9:
     rows[9] = "[1]"  # a later bad line: the first in the file is the one reported
-  _as_processes(monkeypatch, count)
+  as_processes(monkeypatch, count)
   with pytest.raises(RecordError, match=rf"d.jsonl:{bad + 1}: missing field 'answer'"):
     JsonlTask(_write(tmp_path / "d.jsonl", rows))
 
 
 def test_records_are_read_when_needed_and_a_changed_file_is_refused(tmp_path, monkeypatch):
-  path = _write(tmp_path / "d.jsonl", _numbered(40))
+  path = _write(tmp_path / "d.jsonl", gsm8k_rows(40))
   task = JsonlTask(path)
   read, original = [], jsonl._Rows.read
   monkeypatch.setattr(jsonl._Rows, "read", lambda self, js: read.extend(js) or original(self, js))
@@ -273,7 +263,7 @@ def test_records_are_read_when_needed_and_a_changed_file_is_refused(tmp_path, mo
   ]
   assert len(task.held_out(0)) == 0 and len(read) == 12
   with open(path, "a") as f:
-    f.write(json.dumps(_numbered(1, prefix="new")[0]) + "\n")
+    f.write(json.dumps(gsm8k_rows(1, prefix="new")[0]) + "\n")
   with pytest.raises(
     RecordError,
     match=r"d.jsonl changed since the task indexed it \(size 1940 -> 1989 bytes.*restart the run",
@@ -282,7 +272,7 @@ def test_records_are_read_when_needed_and_a_changed_file_is_refused(tmp_path, mo
 
 
 def test_processes_that_see_different_files_are_refused(tmp_path, monkeypatch):
-  path = _write(tmp_path / "d.jsonl", _numbered(10))
+  path = _write(tmp_path / "d.jsonl", gsm8k_rows(10))
   scan = jsonl._scan
   sizes = iter([0, 7])  # the second process's copy is 7 bytes longer
   monkeypatch.setattr(
@@ -290,7 +280,7 @@ def test_processes_that_see_different_files_are_refused(tmp_path, monkeypatch):
     "_scan",
     lambda p, span, check: (f := scan(p, span, check)) | {"size": f["size"] + next(sizes)},
   )
-  _as_processes(monkeypatch, 2)
+  as_processes(monkeypatch, 2)
   size = os.path.getsize(path)
   with pytest.raises(
     RecordError,

@@ -7,25 +7,16 @@ import numpy as np
 import pyarrow as pa  # a test extra (setup.cfg); the error without it is tested below
 import pyarrow.parquet as pq
 import pytest
+from helpers import as_processes, gsm8k_rows
 
 from jaxrl import distributed
 from jaxrl.data import jsonl
 from jaxrl.data.jsonl import JsonlTask, RecordError
 
 
-def _numbered(n, prefix="q"):
-  return [{"question": f"{prefix} {i}?", "answer": f"work\n#### {i}"} for i in range(n)]
-
-
 def _write(path, rows, group=3):
   pq.write_table(pa.Table.from_pylist(rows), path, row_group_size=group)
   return str(path)
-
-
-def _as_processes(monkeypatch, count):
-  """Every `gather_shares` runs `count` processes' shares here, in process order."""
-  shares = lambda fn, n: [fn(distributed.share(n, p, count)) for p in range(count)]  # noqa: E731
-  monkeypatch.setattr(distributed, "gather_shares", shares)
 
 
 def _count_groups(monkeypatch) -> list:
@@ -41,7 +32,7 @@ def _count_groups(monkeypatch) -> list:
 
 
 def test_without_pyarrow_the_error_says_what_to_do(tmp_path, monkeypatch):
-  path = _write(tmp_path / "d.parquet", _numbered(2))
+  path = _write(tmp_path / "d.parquet", gsm8k_rows(2))
   monkeypatch.setitem(sys.modules, "pyarrow.parquet", None)  # `import pyarrow.parquet` fails
   with pytest.raises(ImportError, match=r"d.parquet' needs pyarrow.*convert the file to JSONL"):
     JsonlTask(path)
@@ -55,7 +46,7 @@ def test_a_file_that_is_not_parquet_is_named(tmp_path):
 
 @pytest.mark.parametrize("count", [1, 2, 3, 5, 64])
 def test_processes_check_their_share_of_the_row_groups(tmp_path, monkeypatch, count):
-  rows = _numbered(11)  # 4 row groups of 3: [0-2] [3-5] [6-8] [9-10]
+  rows = gsm8k_rows(11)  # 4 row groups of 3: [0-2] [3-5] [6-8] [9-10]
   path = _write(tmp_path / "d.parquet", rows)
   one = JsonlTask(path, held_out_fraction=0.3)
   scans, original = [], jsonl._scan_parquet
@@ -67,7 +58,7 @@ def test_processes_check_their_share_of_the_row_groups(tmp_path, monkeypatch, co
     scans.append((span, groups[before:]))
     return found
 
-  _as_processes(monkeypatch, count)
+  as_processes(monkeypatch, count)
   monkeypatch.setattr(jsonl, "_scan_parquet", scan)
   many = JsonlTask(path, held_out_fraction=0.3)
   # Each process reads exactly its share of the 4 groups: between them every group once.
@@ -87,18 +78,18 @@ def test_processes_check_their_share_of_the_row_groups(tmp_path, monkeypatch, co
 @pytest.mark.parametrize("count", [1, 2, 4])
 @pytest.mark.parametrize("bad", [0, 4, 9])
 def test_the_first_bad_row_is_named_whichever_process_read_it(tmp_path, monkeypatch, count, bad):
-  rows = _numbered(10)
+  rows = gsm8k_rows(10)
   rows[bad] = {"question": "q?", "answer": "no final answer"}
   if bad < 9:
     rows[9] = {"question": "", "answer": "#### 1"}  # a later bad row: the first is reported
   path = _write(tmp_path / "d.parquet", rows)
-  _as_processes(monkeypatch, count)
+  as_processes(monkeypatch, count)
   with pytest.raises(RecordError, match=rf"d.parquet:{bad + 1}: field 'answer' must end with"):
     JsonlTask(path)
 
 
 def test_records_are_read_by_row_group_and_a_changed_file_is_refused(tmp_path, monkeypatch):
-  path = _write(tmp_path / "d.parquet", _numbered(40), group=4)  # 10 groups of 4
+  path = _write(tmp_path / "d.parquet", gsm8k_rows(40), group=4)  # 10 groups of 4
   task = JsonlTask(path)
   groups = _count_groups(monkeypatch)
   batch = next(iter(task.train_dataset(seed=0, batch_size=2)))
@@ -112,6 +103,6 @@ def test_records_are_read_by_row_group_and_a_changed_file_is_refused(tmp_path, m
   for i in range(10):  # reading more groups keeps only the last CACHED_GROUPS of them
     rows.read([4 * i])
   assert list(rows.cache) == [6, 7, 8, 9]
-  _write(tmp_path / "d.parquet", _numbered(41), group=4)
+  _write(tmp_path / "d.parquet", gsm8k_rows(41), group=4)
   with pytest.raises(RecordError, match=r"d.parquet changed since the task indexed it .*restart"):
     next(iter(task.train_dataset(seed=0, batch_size=2)))
