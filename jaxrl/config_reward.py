@@ -25,6 +25,11 @@ class SandboxConfig:
     64, lo=1, help="stdout + stderr captured (KiB); beyond it the program is killed"
   )
   workers: int = _field(2, lo=1, hi=64, help="programs run at once")
+  dedupe: bool = _field(
+    True,
+    help="identical programs in one batch run once and share the outcome (programs are "
+    "taken to be deterministic); off: every copy runs",
+  )
 
 
 @dataclasses.dataclass(frozen=True)

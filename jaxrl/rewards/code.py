@@ -10,6 +10,11 @@ A record carries `code_prefix` (what the prompt opened, e.g. "def f(x):return ")
 - "code_tests": 1.0 iff every test passes (verl's and TRL's pass/fail code reward);
 - "code_tests_passed": the fraction of tests that pass (partial credit).
 
+Identical programs in one batch (the same prefix, completion and tests: a group's samples often
+agree) run once and share the outcome (`dedupe`, on by default): programs are taken to be
+deterministic, so one that draws random numbers or reads the clock gets one draw for all its
+copies. Set config.reward.sandbox.dedupe=False to run every copy.
+
 A program that does not compile, raises before the tests, runs out of time or memory, or
 prints past the output cap scores 0: that is the completion's failure, not the reward's. Only a
 sandbox that cannot start raises (an error per `reward.on_error`).
@@ -83,15 +88,26 @@ class CodeTestsReward:
   """A reward function (completion, record) -> float that runs programs in a SandboxPool;
   `score_batch` runs a whole batch's programs concurrently."""
 
-  def __init__(self, *, all_or_nothing: bool, limits: Limits = _DEFAULT_LIMITS, workers: int = 2):
+  def __init__(
+    self,
+    *,
+    all_or_nothing: bool,
+    limits: Limits = _DEFAULT_LIMITS,
+    workers: int = 2,
+    dedupe: bool = True,
+  ):
     self.all_or_nothing, self.limits, self.workers = all_or_nothing, limits, workers
+    self.dedupe = dedupe
+    self.programs_run = 0  # sandboxed programs started by score_batch (copies run once)
     self.__name__ = "code_tests" if all_or_nothing else "code_tests_passed"
     self._pool: SandboxPool | None = None
 
-  def configured(self, limits: Limits, workers: int) -> CodeTestsReward:
+  def configured(self, limits: Limits, workers: int, dedupe: bool = True) -> CodeTestsReward:
     """The same reward under other limits (config.reward.sandbox); checks the isolation asked
     for is available here, before any work."""
-    out = CodeTestsReward(all_or_nothing=self.all_or_nothing, limits=limits, workers=workers)
+    out = CodeTestsReward(
+      all_or_nothing=self.all_or_nothing, limits=limits, workers=workers, dedupe=dedupe
+    )
     out.pool()
     return out
 
@@ -117,20 +133,32 @@ class CodeTestsReward:
   def score_batch(
     self, completions: Sequence[str], records: Sequence[dict[str, Any]]
   ) -> list[tuple[str, Any]]:
-    """One ("ok", reward) or ("error", message) per sample, the programs run concurrently."""
-    tokens, programs, out = [], [], [None] * len(completions)
+    """One ("ok", reward) or ("error", message) per sample, the programs run concurrently
+    (with `dedupe`, each distinct program once)."""
+    out: list = [None] * len(completions)
+    first: dict[str, int] = {}  # program (without its report token) -> its run's index
+    runs, tokens, copies = [], [], []  # per run: program, token; per sample: (i, run index)
     for i, (completion, record) in enumerate(zip(completions, records, strict=True)):
-      tokens.append(secrets.token_hex(8))
       try:
-        programs.append((i, program(completion, record, tokens[-1])))
+        key = program(completion, record, "")
       except (KeyError, ValueError) as e:
         out[i] = ("error", f"{type(e).__name__}: {e}")
-    outcomes = self.pool().run_many([p for _, p in programs])
-    for (i, _), outcome in zip(programs, outcomes, strict=True):
+        continue
+      if not self.dedupe or key not in first:
+        first[key] = len(runs)
+        tokens.append(secrets.token_hex(8))
+        runs.append(program(completion, record, tokens[-1]))
+      copies.append((i, first[key] if self.dedupe else len(runs) - 1))
+    outcomes = self.pool().run_many(runs)
+    self.programs_run += len(runs)
+    scored = []
+    for outcome, token in zip(outcomes, tokens, strict=True):
       try:
-        out[i] = ("ok", self._value(tests_passed(outcome, tokens[i])))
+        scored.append(("ok", self._value(tests_passed(outcome, token))))
       except SandboxError as e:
-        out[i] = ("error", f"SandboxError: {e}")
+        scored.append(("error", f"SandboxError: {e}"))
+    for i, r in copies:
+      out[i] = scored[r]
     return out
 
   def close(self) -> None:

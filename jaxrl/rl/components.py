@@ -239,6 +239,6 @@ def sandboxed(reward_fn, sandbox: SandboxConfig):
   here, before the model is built."""
   limits = sandbox_limits(sandbox)
   try:
-    return reward_fn.configured(limits, workers=sandbox.workers)
+    return reward_fn.configured(limits, workers=sandbox.workers, dedupe=sandbox.dedupe)
   except SandboxUnavailableError as e:
     raise ConfigError(f"config.reward.sandbox.isolation={sandbox.isolation!r}: {e}") from e

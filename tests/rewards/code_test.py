@@ -43,6 +43,34 @@ def test_batch_scores_equal_one_at_a_time_and_run_concurrently():
   np.testing.assert_array_equal(batch, np.float32([f for _, _, f in CASES]))
 
 
+def test_identical_programs_in_a_batch_run_once_and_share_their_score():
+  completions = [c for c, _, _ in CASES] * 3
+  order = np.random.default_rng(0).permutation(len(completions))
+  completions = [completions[i] for i in order]
+  other = {**RECORD, "tests": ["f(3)==11"]}  # the same completion under other tests: its own run
+  records = [RECORD] * len(completions) + [other]
+  completions.append(CASES[2][0])
+  each, once = (
+    CodeTestsReward(all_or_nothing=False).configured(sandbox.Limits(), workers=2, dedupe=d)
+    for d in (False, True)
+  )
+  scored_each = each.score_batch(completions, records)
+  scored_once = once.score_batch(completions, records)
+  assert scored_once == scored_each
+  by_completion = {c: f for c, _, f in CASES}
+  assert [v for _, v in scored_once[:-1]] == [by_completion[c] for c in completions[:-1]]
+  assert scored_once[-1] == ("ok", 1.0)  # 3*x+2 if x<5 else 0 passes f(3)==11
+  assert (each.programs_run, once.programs_run) == (3 * len(CASES) + 1, len(CASES) + 1)
+  each.close()
+  once.close()
+
+
+def test_the_sandbox_config_sets_dedupe():
+  fn = rewards.get("code_tests")
+  assert components.sandboxed(fn, SandboxConfig()).dedupe
+  assert not components.sandboxed(fn, SandboxConfig(dedupe=False)).dedupe
+
+
 def test_a_program_past_its_time_scores_zero():
   fn = CodeTestsReward(all_or_nothing=True).configured(sandbox.Limits(wall_s=1.0), workers=1)
   assert fn("(lambda: [0 for _ in iter(int, 1)])()", RECORD) == 0.0
