@@ -11,10 +11,11 @@ by policy version max(0, s - max_staleness), so
                                  known staleness for off-policy experiments;
   split                          the sampler has its own sub-mesh (`Run.sampler_mesh`) and runs
                                  in a thread of its own: each published version is pushed there
-                                 in one `jax.device_put` of the whole pytree, and batch s starts
-                                 as soon as version s - k has arrived, while the learner trains
-                                 on earlier batches (one-step-off with k = 1, as verl and AReaL
-                                 run it; ROLL Flash and AReaL describe the design).
+                                 in one `jax.device_put` of the whole pytree (the sampler held
+                                 between two device calls meanwhile), and batch s starts as soon
+                                 as version s - k has arrived, while the learner trains on
+                                 earlier batches (one-step-off with k = 1, as verl and AReaL run
+                                 it; ROLL Flash and AReaL describe the design).
 
 The lag is always the configured bound (once k steps have run), never "whatever was newest":
 the version a batch reads does not depend on timing, so a run is reproducible, staleness is
@@ -66,12 +67,14 @@ class RolloutPipeline:
     self._next = 0  # the next batch to sample
     self._limit: int | None = None  # paused: start no batch past this one
     self._busy = False  # the sampler thread is in the middle of a batch
+    self._hold = False  # split: a push is under way; the sampler waits between device calls
+    self._held = False  # the sampler thread is waiting for it
     self._stop = False
     self._error: BaseException | None = None
     self._thread: threading.Thread | None = None
     self._records: Iterator | None = None
     # Timing of the split / copied placements, for the time/* metrics.
-    self._push_s = 0.0
+    self._push_s = self._push_wait_s = 0.0
     self._sampler_busy_s = 0.0
     self._last: tuple[float, float] | None = None  # (wall clock, sampler busy s) at the last get
 
@@ -95,16 +98,17 @@ class RolloutPipeline:
     self._versions, self._limit, self._stop, self._error, self._last = {}, None, False, None, None
     self.publish(step, params)
     if self.split:
+      self.experience.sampler.driver.pause = self._gate
       self._thread = threading.Thread(target=self._loop, name="jaxrl-sampler", daemon=True)
       self._thread.start()
 
   def publish(self, version: int, params) -> None:
     """Make policy `version` (the learner's params after `version` updates) readable by the
     batches that use it: the learner's own arrays (colocated, lag 0), a copy (colocated,
-    lag > 0) or a push to the sampler's sub-mesh (split). Versions no batch will read are
-    skipped."""
+    lag > 0) or a push to the sampler's sub-mesh (split). Versions no batch will read (older
+    than the next batch's, newer than the last batch's) are skipped."""
     with self._cond:
-      if version < self.version_for(self._next):
+      if not self.version_for(self._next) <= version <= self.version_for(self.steps - 1):
         return
     if self.stateful:
       # The update that made `params` may still be running: wait for it first, so the push
@@ -113,9 +117,23 @@ class RolloutPipeline:
     t0 = time.perf_counter()
     view = self.experience.sampler_params(params)
     if self.split:
+      # The sampler is held between two device calls while the push runs (as verl and slime
+      # pause generation for a weight sync): on shared cores its decoding would slow the
+      # transfer. The wait for it to get there is timed apart (time/push_wait_s).
       spec = lambda x: NamedSharding(self.sampler_mesh, getattr(x.sharding, "spec", P()))  # noqa: E731
-      view = jax.block_until_ready(jax.device_put(view, jax.tree.map(spec, view)))
-      self._push_s = time.perf_counter() - t0
+      t1 = t2 = time.perf_counter()
+      try:
+        with self._cond:
+          self._hold = True
+          while self._busy and not self._held and self._error is None:
+            self._cond.wait()
+        t2 = time.perf_counter()
+        view = jax.block_until_ready(jax.device_put(view, jax.tree.map(spec, view)))
+      finally:
+        with self._cond:
+          self._hold = False
+          self._cond.notify_all()
+      self._push_wait_s, self._push_s = t2 - t1, time.perf_counter() - t2 + (t1 - t0)
     elif self.max_staleness > 0:
       view = jax.block_until_ready(_copy(view))
       self._push_s = time.perf_counter() - t0
@@ -148,6 +166,8 @@ class RolloutPipeline:
     }
     if self.stateful:
       m["time/push_s"] = self._push_s
+      if self.split:
+        m["time/push_wait_s"] = self._push_wait_s
       m["time/learner_wait_s"] = now - t0
       if self._last is not None:
         window = now - self._last[0]
@@ -231,7 +251,8 @@ class RolloutPipeline:
   def _may_start(self) -> bool:
     b = self._next
     return (
-      b < self.steps
+      not self._hold
+      and b < self.steps
       and (self._limit is None or b <= self._limit)
       and self.version_for(b) in self._versions
     )
@@ -259,6 +280,19 @@ class RolloutPipeline:
       with self._cond:
         self._error = e
         self._cond.notify_all()
+
+  def _gate(self, in_flight) -> None:
+    """The sampler's driver, between two device calls: while a push is under way, let the
+    call in flight finish and wait for the push to end."""
+    if not self._hold or threading.current_thread() is not self._thread:
+      return
+    jax.block_until_ready(in_flight)
+    with self._cond:
+      self._held = True
+      self._cond.notify_all()
+      while self._hold:
+        self._cond.wait()
+      self._held = False
 
   def _raise(self) -> None:
     if self._error is not None:
