@@ -205,7 +205,8 @@ def _parquet(folder: str) -> dict:
 
   from jaxrl.data import jsonl
 
-  scans, scan, read_group = [], jsonl._scan_parquet, pq.ParquetFile.read_row_group
+  scans, scan = [], jsonl._scan_parquet
+  read_group, batches = pq.ParquetFile.read_row_group, pq.ParquetFile.iter_batches
   groups: list[int] = []
 
   def counting_scan(path, share, check):
@@ -218,11 +219,17 @@ def _parquet(folder: str) -> dict:
     groups.append(int(g))
     return read_group(self, g, *args, **kwargs)
 
-  jsonl._scan_parquet, pq.ParquetFile.read_row_group = counting_scan, counting_read_group
+  def counting_batches(self, *args, row_groups, **kwargs):
+    groups.extend(int(g) for g in row_groups)
+    return batches(self, *args, row_groups=row_groups, **kwargs)
+
+  jsonl._scan_parquet = counting_scan
+  pq.ParquetFile.read_row_group, pq.ParquetFile.iter_batches = counting_read_group, counting_batches
   try:
     got = _use(folder, "parquet")
   finally:
-    jsonl._scan_parquet, pq.ParquetFile.read_row_group = scan, read_group
+    jsonl._scan_parquet = scan
+    pq.ParquetFile.read_row_group, pq.ParquetFile.iter_batches = read_group, batches
   return {"scans": scans, **got}
 
 

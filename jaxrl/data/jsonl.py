@@ -121,18 +121,27 @@ def _group_starts(file) -> np.ndarray:
   return np.concatenate([[0], np.cumsum(sizes, dtype=np.int64)]).astype(np.int64)
 
 
+# Rows converted to Python at a time when a file is checked (a row group may hold ~1M rows).
+SCAN_BATCH_ROWS = 4096
+
+
 def _scan_parquet(path: str, groups: range, check: Callable[[Any], Any]) -> dict:
-  """Row groups `groups` of a Parquet file, read one at a time: `check(row)` of each row and the
-  first bad row (its index in the file, message). Reading stops at the first bad row, as `_scan`
-  does."""
+  """Row groups `groups` of a Parquet file, read a batch of rows at a time: `check(row)` of each
+  row and the first bad row (its index in the file, message). Reading stops at the first bad
+  row, as `_scan` does."""
   file = _parquet(path)
   starts, checked, error = _group_starts(file), [], None
   for g in groups:
-    for i, row in enumerate(file.read_row_group(g).to_pylist()):
-      try:
-        checked.append(check(row))
-      except RecordError as e:
-        error = (int(starts[g]) + i, str(e))
+    i = int(starts[g])
+    for batch in file.iter_batches(SCAN_BATCH_ROWS, row_groups=[g]):
+      for row in batch.to_pylist():
+        try:
+          checked.append(check(row))
+        except RecordError as e:
+          error = (i, str(e))
+          break
+        i += 1
+      if error is not None:
         break
     if error is not None:
       break
@@ -144,7 +153,8 @@ class _Rows:
   """Where the records of one file are. JSONL: the byte offset and 1-based line number of every
   non-blank line. Parquet: the rows' row groups (`groups`, from `_group_starts`); line numbers
   are row numbers. Records are read when asked for (the last few Parquet row groups read are
-  kept). `held[j]`: record j hashed into the held-out split."""
+  kept as Arrow tables; only the rows asked for become Python values). `held[j]`: record j
+  hashed into the held-out split."""
 
   path: str
   line_nos: np.ndarray
@@ -208,16 +218,16 @@ class _Rows:
         "not change under it: restart the run to read the new file"
       )
 
-  def _group(self, g: int) -> list:
-    """Row group `g`'s rows, from the cache or the file."""
+  def _group(self, g: int):
+    """Row group `g` as a `pyarrow.Table`, from the cache or the file."""
     with self.lock:
       if g in self.cache:
         self.cache.move_to_end(g)
         return self.cache[g]
-      rows = self.cache[g] = _parquet(self.path).read_row_group(g).to_pylist()
+      table = self.cache[g] = _parquet(self.path).read_row_group(g)
       while len(self.cache) > self.CACHED_GROUPS:
         self.cache.popitem(last=False)
-      return rows
+      return table
 
   def read(self, js) -> list[tuple[int, Any]]:
     """(line number, decoded value) of records `js`, read from the file now."""
@@ -226,7 +236,8 @@ class _Rows:
       out = []
       for j in js:
         g = int(np.searchsorted(self.groups, j, side="right")) - 1
-        out.append((int(self.line_nos[j]), self._group(g)[int(j) - int(self.groups[g])]))
+        row = self._group(g).slice(int(j) - int(self.groups[g]), 1).to_pylist()[0]
+        out.append((int(self.line_nos[j]), row))
       return out
     out = []
     with open(self.path, "rb") as f:

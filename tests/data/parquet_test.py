@@ -20,14 +20,19 @@ def _write(path, rows, group=3):
 
 
 def _count_groups(monkeypatch) -> list:
-  """Every row group read from a Parquet file, in order."""
-  groups, original = [], pq.ParquetFile.read_row_group
+  """Every row group read from a Parquet file, in order (whole, or in batches of rows)."""
+  groups, read, batches = [], pq.ParquetFile.read_row_group, pq.ParquetFile.iter_batches
 
   def read_row_group(self, g, *args, **kwargs):
     groups.append(g)
-    return original(self, g, *args, **kwargs)
+    return read(self, g, *args, **kwargs)
+
+  def iter_batches(self, *args, row_groups, **kwargs):
+    groups.extend(row_groups)
+    return batches(self, *args, row_groups=row_groups, **kwargs)
 
   monkeypatch.setattr(pq.ParquetFile, "read_row_group", read_row_group)
+  monkeypatch.setattr(pq.ParquetFile, "iter_batches", iter_batches)
   return groups
 
 
@@ -77,7 +82,11 @@ def test_processes_check_their_share_of_the_row_groups(tmp_path, monkeypatch, co
 
 @pytest.mark.parametrize("count", [1, 2, 4])
 @pytest.mark.parametrize("bad", [0, 4, 9])
-def test_the_first_bad_row_is_named_whichever_process_read_it(tmp_path, monkeypatch, count, bad):
+@pytest.mark.parametrize("scan_rows", [jsonl.SCAN_BATCH_ROWS, 2])  # groups of 3 cross batches
+def test_the_first_bad_row_is_named_whichever_process_read_it(
+  tmp_path, monkeypatch, count, bad, scan_rows
+):
+  monkeypatch.setattr(jsonl, "SCAN_BATCH_ROWS", scan_rows)
   rows = gsm8k_rows(10)
   rows[bad] = {"question": "q?", "answer": "no final answer"}
   if bad < 9:
@@ -98,6 +107,7 @@ def test_records_are_read_by_row_group_and_a_changed_file_is_refused(tmp_path, m
   assert groups == [int(i) // 4 for i in picks]  # one group read per record, no more
   rows = task._split("train")[0]
   assert list(rows.cache) == groups and rows.CACHED_GROUPS == 4
+  assert all(isinstance(t, pa.Table) for t in rows.cache.values())  # rows become Python on read
   again = next(iter(task.train_dataset(seed=0, batch_size=2)))
   assert again == batch and len(groups) == 2  # served from the cache
   for i in range(10):  # reading more groups keeps only the last CACHED_GROUPS of them
