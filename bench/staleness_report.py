@@ -106,6 +106,8 @@ def _plot(cells: dict[str, dict], png: str) -> None:
 
   fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
   colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+  if len(cells) > len(colors):  # past the default cycle's 10 colors, one per cell
+    colors = [plt.get_cmap("tab20")(i % 20) for i in range(len(cells))]
   base = next(iter(cells.values()))
   for c, (name, runs) in enumerate(cells.items()):
     color = colors[c % len(colors)]
