@@ -8,11 +8,10 @@ not its learning, are measured) per seed, modes interleaved by seed:
   split_k1       4 learner + 4 sampler devices, the sampler in its own thread one step off
 Reported per mode over the measured steps: wall seconds per step (rollout wait + batch build +
 update + publish), the learner's and the sampler's busy share of the wall-clock, the push
-time (the transfer, with the sampler held between two device calls) and the learner's wait for
-the sampler to reach that point, and the host share of the colocated step (detokenising and
-scoring: what overlapping host work with the device could hide at most). After the split runs
-the same process times a plain `jax.device_put` of the learner's params onto the sampler's
-sub-mesh (median of `--puts`) against the pipeline's push.
+time, and the host share of the colocated step (detokenising and scoring: what overlapping
+host work with the device could hide at most). After the split runs the same process times a
+plain `jax.device_put` of the learner's params onto the sampler's sub-mesh (median of
+`--puts`) against the pipeline's push.
 
 The 8 devices share this machine's cores: simulated devices run concurrently only as far as
 the cores allow, so on a 2-core host the split's two sides mostly take turns on the CPU.
@@ -102,8 +101,6 @@ def _run(mode: str, seed: int, steps: int, warmup: int) -> tuple[dict, Trainer]:
     out["learner_wait_s"] = statistics.fmean(r["time/learner_wait_s"] for r in rows)
     if mode.startswith("split"):
       out["sampler_busy"] = statistics.fmean(r["time/sampler_busy_frac"] for r in rows)
-      # The learner's wait for the sampler to reach a device-call boundary before the push.
-      out["push_wait_s"] = statistics.median(r["time/push_wait_s"] for r in rows)
   return out, trainer
 
 
@@ -144,9 +141,6 @@ def main(argv=None) -> dict:
       if mode.startswith("split"):
         out["plain_put_s"], out["param_bytes"] = _plain_put_s(trainer, args.puts)
         out["push_vs_plain_put"] = out["push_s"] / out["plain_put_s"]
-        out["push_and_wait_vs_plain_put"] = (out["push_s"] + out["push_wait_s"]) / out[
-          "plain_put_s"
-        ]
         puts[seed] = out["plain_put_s"]
       per_seed[mode][seed] = out
       print(f"[bench] seed {seed} {mode}: {json.dumps(out)}", flush=True)
@@ -175,13 +169,7 @@ def main(argv=None) -> dict:
     x = m["step_s_vs_colocated"]
     extra = "  ".join(
       f"{k} {m[k]['mean']:.3g} ({m[k]['min']:.3g}-{m[k]['max']:.3g})"
-      for k in (
-        "host_share",
-        "learner_busy",
-        "sampler_busy",
-        "push_vs_plain_put",
-        "push_and_wait_vs_plain_put",
-      )
+      for k in ("host_share", "learner_busy", "sampler_busy", "push_vs_plain_put")
       if k in m
     )
     print(

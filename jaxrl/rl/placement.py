@@ -11,11 +11,10 @@ by policy version max(0, s - max_staleness), so
                                  known staleness for off-policy experiments;
   split                          the sampler has its own sub-mesh (`Run.sampler_mesh`) and runs
                                  in a thread of its own: each published version is pushed there
-                                 in one `jax.device_put` of the whole pytree (the sampler held
-                                 between two device calls meanwhile), and batch s starts as soon
-                                 as version s - k has arrived, while the learner trains on
-                                 earlier batches (one-step-off with k = 1, as verl and AReaL run
-                                 it; ROLL Flash and AReaL describe the design).
+                                 in one `jax.device_put` of the whole pytree, and batch s starts
+                                 as soon as version s - k has arrived, while the learner trains
+                                 on earlier batches (one-step-off with k = 1, as verl and AReaL
+                                 run it; ROLL Flash and AReaL describe the design).
 
 The lag is always the configured bound (once k steps have run), never "whatever was newest":
 the version a batch reads does not depend on timing, so a run is reproducible, staleness is
@@ -67,14 +66,13 @@ class RolloutPipeline:
     self._next = 0  # the next batch to sample
     self._limit: int | None = None  # paused: start no batch past this one
     self._busy = False  # the sampler thread is in the middle of a batch
-    self._hold = False  # split: a push is under way; the sampler waits between device calls
-    self._held = False  # the sampler thread is waiting for it
     self._stop = False
     self._error: BaseException | None = None
     self._thread: threading.Thread | None = None
     self._records: Iterator | None = None
     # Timing of the split / copied placements, for the time/* metrics.
-    self._push_s = self._push_wait_s = 0.0
+    self._push_s = 0.0
+    self._push_to = None  # split: where each leaf goes on the sampler's sub-mesh (made once)
     self._sampler_busy_s = 0.0
     self._last: tuple[float, float] | None = None  # (wall clock, sampler busy s) at the last get
 
@@ -98,7 +96,6 @@ class RolloutPipeline:
     self._versions, self._limit, self._stop, self._error, self._last = {}, None, False, None, None
     self.publish(step, params)
     if self.split:
-      self.experience.sampler.driver.pause = self._gate
       self._thread = threading.Thread(target=self._loop, name="jaxrl-sampler", daemon=True)
       self._thread.start()
 
@@ -117,23 +114,11 @@ class RolloutPipeline:
     t0 = time.perf_counter()
     view = self.experience.sampler_params(params)
     if self.split:
-      # The sampler is held between two device calls while the push runs (as verl and slime
-      # pause generation for a weight sync): on shared cores its decoding would slow the
-      # transfer. The wait for it to get there is timed apart (time/push_wait_s).
-      spec = lambda x: NamedSharding(self.sampler_mesh, getattr(x.sharding, "spec", P()))  # noqa: E731
-      t1 = t2 = time.perf_counter()
-      try:
-        with self._cond:
-          self._hold = True
-          while self._busy and not self._held and self._error is None:
-            self._cond.wait()
-        t2 = time.perf_counter()
-        view = jax.block_until_ready(jax.device_put(view, jax.tree.map(spec, view)))
-      finally:
-        with self._cond:
-          self._hold = False
-          self._cond.notify_all()
-      self._push_wait_s, self._push_s = t2 - t1, time.perf_counter() - t2 + (t1 - t0)
+      if self._push_to is None:  # the sampler's shardings: the same specs on its sub-mesh
+        spec = lambda x: NamedSharding(self.sampler_mesh, getattr(x.sharding, "spec", P()))  # noqa: E731
+        self._push_to = jax.tree.map(spec, view)
+      view = jax.block_until_ready(jax.device_put(view, self._push_to))
+      self._push_s = time.perf_counter() - t0
     elif self.max_staleness > 0:
       view = jax.block_until_ready(_copy(view))
       self._push_s = time.perf_counter() - t0
@@ -166,8 +151,6 @@ class RolloutPipeline:
     }
     if self.stateful:
       m["time/push_s"] = self._push_s
-      if self.split:
-        m["time/push_wait_s"] = self._push_wait_s
       m["time/learner_wait_s"] = now - t0
       if self._last is not None:
         window = now - self._last[0]
@@ -251,8 +234,7 @@ class RolloutPipeline:
   def _may_start(self) -> bool:
     b = self._next
     return (
-      not self._hold
-      and b < self.steps
+      b < self.steps
       and (self._limit is None or b <= self._limit)
       and self.version_for(b) in self._versions
     )
@@ -280,19 +262,6 @@ class RolloutPipeline:
       with self._cond:
         self._error = e
         self._cond.notify_all()
-
-  def _gate(self, in_flight) -> None:
-    """The sampler's driver, between two device calls: while a push is under way, let the
-    call in flight finish and wait for the push to end."""
-    if not self._hold or threading.current_thread() is not self._thread:
-      return
-    jax.block_until_ready(in_flight)
-    with self._cond:
-      self._held = True
-      self._cond.notify_all()
-      while self._hold:
-        self._cond.wait()
-      self._held = False
 
   def _raise(self) -> None:
     if self._error is not None:

@@ -84,9 +84,10 @@ class Request:
   stop_strings: tuple[str, ...] = ()
   resume: Resume | None = None
   # A group prefilled for more samples than it asks for now (in-step allocation): `draws` first
-  # tokens drawn at its prefill (sample j with request id request_id - sample_index + j's key),
-  # this request being sample `sample_index`. With Driver.run(keep=store) the prefill is kept and
-  # later runs' requests of the group are inserted from it: the prompt's KV is computed once.
+  # tokens are drawn at its prefill (sample j with the key of request id request_id -
+  # sample_index + j), and this request is sample `sample_index` of them. With Driver.run(
+  # keep=store) the prefill is kept, and a later run's requests of the same group_id are
+  # inserted from it: the prompt's KV is computed once per step.
   draws: int | None = None
   sample_index: int = 0
 
@@ -192,7 +193,6 @@ class Driver:
       eos_id = getattr(self.tokenizer, "eos_id", None)
     self.eos_id = eos_id
     self._state = None
-    self.pause: Callable[[object], None] | None = None  # between device calls, given the state
 
   def run(
     self,
@@ -447,8 +447,6 @@ class Driver:
     pending = None
     aborted = False
     while True:  # until nothing is live, queued or fed by on_finished
-      if self.pause is not None:
-        self.pause(self._state)
       admit()
       if stop_when is not None and stop_when(Progress(finished, done_units[0], len(live))):
         aborted = True

@@ -1,7 +1,5 @@
 """rl.placement: which policy version samples which batch, colocated and on split sub-meshes."""
 
-import time
-
 import jax
 import numpy as np
 import pytest
@@ -102,47 +100,28 @@ def test_split_placement_on_8_devices_never_exceeds_max_staleness(tmp_path):
     assert 0 <= r["time/sampler_busy_frac"] <= 1
 
 
-class _TimedPuts:
-  """`jax` for jaxrl.rl.placement, recording the interval of every `device_put` (the push)."""
+class _CountedPuts:
+  """`jax` for jaxrl.rl.placement, counting its `device_put`s (the pushes)."""
 
   def __init__(self):
-    self.intervals = []
+    self.count = 0
 
   def __getattr__(self, name):
     return getattr(jax, name)
 
   def device_put(self, *args, **kw):
-    t0 = time.perf_counter()
-    out = jax.block_until_ready(jax.device_put(*args, **kw))
-    self.intervals.append((t0, time.perf_counter()))
-    return out
+    self.count += 1
+    return jax.device_put(*args, **kw)
 
 
-def test_split_sampler_makes_no_device_call_during_a_push(tmp_path, monkeypatch):
+def test_split_pushes_only_the_versions_a_batch_reads(tmp_path, monkeypatch):
   cfg = _config(tmp_path, steps=6, placement={"kind": "split", "max_staleness": 1})
-  trainer = Trainer(cfg, log=lambda *_: None)
-  puts = _TimedPuts()
+  puts = _CountedPuts()
   monkeypatch.setattr(placement, "jax", puts)
-  engine, calls = trainer.experience.sampler.driver.engine, []
-
-  def timed(fn):
-    def call(*args, **kw):  # from dispatch until its results are ready
-      t0 = time.perf_counter()
-      out = jax.block_until_ready(fn(*args, **kw))
-      calls.append((t0, time.perf_counter()))
-      return out
-
-    return call
-
-  for name in ("generate_steps", "prefill_batch", "insert_batch"):
-    monkeypatch.setattr(engine, name, timed(getattr(engine, name)))
+  trainer = Trainer(cfg, log=lambda *_: None)
   trainer.run()
   trainer.close()
-  rows = [r for r in read_jsonl(trainer.workdir / "metrics.jsonl") if r["phase"] == "rl"]
-  assert len(puts.intervals) == cfg.rl.steps - 1 and calls  # versions 0-4: those batches read
-  for a, b in puts.intervals:
-    assert all(d <= a or c >= b for c, d in calls), "a sampler call overlapped a push"
-  assert all(r["time/push_wait_s"] >= 0 for r in rows)
+  assert puts.count == 5  # versions 0-4 for batches 0-5; not 5 and 6, which no batch reads
 
 
 def test_split_sampler_failure_is_raised_not_hung(tmp_path, monkeypatch):
