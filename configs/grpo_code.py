@@ -12,7 +12,7 @@ Launch:
 
 Every distinct completion is a process: ~30-60 ms each on a 2-core CPU, `reward.sandbox.workers`
 at a time (identical programs in a batch run once, `reward.sandbox.dedupe`: on ':quadratic' about
-half of a step's 512 are copies, and its rollout + scoring went from ~8 s to ~5.6 s a step).
+half of a step's 512 are copies, and its rollout + scoring went from ~8.2 s to ~5.8 s a step).
 Expected (docs/results.md, "The code task", seed 0 only, not a claim over seeds): held-out 0.969
 after the warm-start, with a training reward of ~1.0 from the first RL step: GRPO has little left
 to do on this task.
