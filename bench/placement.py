@@ -6,6 +6,10 @@ not its learning, are measured) per seed, modes interleaved by seed:
   colocated      max_staleness 0: one 8-device mesh, sampler and learner take turns, zero copy
   colocated_k1   max_staleness 1 on the same mesh: every version is copied (the copy's cost)
   split_k1       4 learner + 4 sampler devices, the sampler in its own thread one step off
+  split_k1_probe split_k1, and before every other version's push a plain `device_put` of the
+                 same params to the same shardings is timed (the push that follows it is
+                 not counted): a plain put at the push's own moment, right after an update
+                 with the sampler thread running, for the push's time on the other versions
 Reported per mode over the measured steps: wall seconds per step (rollout wait + batch build +
 update + publish), the learner's and the sampler's busy share of the wall-clock, the push
 time, and the host share of the colocated step (detokenising and scoring: what overlapping
@@ -54,6 +58,7 @@ MODES = {
   "colocated": {},
   "colocated_k1": {"max_staleness": 1},
   "split_k1": {"kind": "split", "max_staleness": 1},
+  "split_k1_probe": {"kind": "split", "max_staleness": 1},
 }
 
 
@@ -76,10 +81,38 @@ def _config(mode: str, seed: int, steps: int, workdir: str):
   return validate(c)
 
 
+def _probe_puts(trainer: Trainer, warmup: int) -> dict:
+  """Patch the trainer's pipeline: before the push of every odd version past the warm-up,
+  time a plain device_put of the same params onto the same shardings (the push after it is
+  not counted: the probe warmed it); the even versions' pushes are counted as they are."""
+  pipe, record = trainer.pipeline, {"probe_put": [], "push": []}
+  publish = pipe.publish
+
+  def probed(version: int, params) -> None:
+    probe = None
+    if version > warmup and version % 2 == 1 and pipe._push_to is not None:
+      jax.block_until_ready(params)  # as the push does before its clock starts
+      t0 = time.perf_counter()
+      jax.block_until_ready(jax.device_put(pipe.experience.sampler_params(params), pipe._push_to))
+      probe = time.perf_counter() - t0
+    pushed = pipe._push_s
+    publish(version, params)
+    if pipe._push_s is pushed:  # no push for this version (no batch reads it)
+      return
+    if probe is not None:
+      record["probe_put"].append(probe)
+    elif version > warmup:
+      record["push"].append(pipe._push_s)
+
+  pipe.publish = probed
+  return record
+
+
 def _run(mode: str, seed: int, steps: int, warmup: int) -> tuple[dict, Trainer]:
   with tempfile.TemporaryDirectory() as wd:
     trainer = Trainer(_config(mode, seed, steps, wd), log=lambda *_: None)
     clock = HostClock(trainer)  # detokenising and scoring, the host work of a rollout
+    probes = _probe_puts(trainer, warmup) if mode == "split_k1_probe" else None
     trainer.run()
     trainer.close()
     rows = [r for r in read_jsonl(Path(wd) / "metrics.jsonl") if r["phase"] == "rl"][warmup:]
@@ -101,6 +134,10 @@ def _run(mode: str, seed: int, steps: int, warmup: int) -> tuple[dict, Trainer]:
     out["learner_wait_s"] = statistics.fmean(r["time/learner_wait_s"] for r in rows)
     if mode.startswith("split"):
       out["sampler_busy"] = statistics.fmean(r["time/sampler_busy_frac"] for r in rows)
+  if probes is not None:
+    out["push_s"] = statistics.median(probes["push"])
+    out["same_moment_put_s"] = statistics.median(probes["probe_put"])
+    out["push_vs_same_moment_put"] = out["push_s"] / out["same_moment_put_s"]
   return out, trainer
 
 
@@ -169,7 +206,13 @@ def main(argv=None) -> dict:
     x = m["step_s_vs_colocated"]
     extra = "  ".join(
       f"{k} {m[k]['mean']:.3g} ({m[k]['min']:.3g}-{m[k]['max']:.3g})"
-      for k in ("host_share", "learner_busy", "sampler_busy", "push_vs_plain_put")
+      for k in (
+        "host_share",
+        "learner_busy",
+        "sampler_busy",
+        "push_vs_plain_put",
+        "push_vs_same_moment_put",
+      )
       if k in m
     )
     print(
