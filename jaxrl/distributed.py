@@ -37,9 +37,11 @@ step in all of them, with that process's message. orbax writes each array's shar
 processes that hold them, and only process 0 writes metrics. The same test runs the default
 job's smoke in two processes and logs what one process logs, each process having read and
 scored half of the records; stopped after an RL step and resumed, it repeats the uninterrupted
-run. Not yet: a file-backed task still loads its whole file in every process (only the making
-of its records is split); the split placement (its sampler thread would exchange records and
-rewards beside the learner's steps) is refused with several processes.
+run. A file-backed task reads only its share of each batch's lines or row groups
+(`jaxrl.data.jsonl`). Not yet: the split placement is refused with several processes. Its
+sampler thread would run collectives beside the learner's, and on CPU gloo hangs when two
+threads run collectives at once (even over disjoint devices, tried 2026-12-05), while jax 0.10's
+`device_put` refuses the push's cross-process move between disjoint device sets.
 
 On CPU the processes exchange data through gloo (`jax_cpu_collectives_implementation`), which
 `initialize` selects; GPUs and TPUs use their own collectives.

@@ -60,8 +60,11 @@ class Run:
     tok = components.build_tokenizer(cfg.model)
     devices, sampler_mesh = jax.devices(), None
     if cfg.rl.placement.kind == "split" and jax.process_count() > 1:
-      # The sampler's thread would exchange records and rewards across the processes while the
-      # learner's steps do the same in the main thread: never run, so refused.
+      # The sampler's thread would run collectives (its engine, the record and reward
+      # exchange) beside the learner's in the main thread, over disjoint devices. Tried with
+      # two processes on CPU (2026-12-05): gloo hangs when two threads run collectives at
+      # once, even over disjoint devices with their contexts made first, and jax 0.10's
+      # device_put refuses a cross-process move between disjoint device sets (the push).
       raise ConfigError(
         f"config.rl.placement.kind='split' is not supported with {jax.process_count()} "
         "processes; allowed there: 'colocated'"
