@@ -15,8 +15,8 @@ Launch:
 Expected (docs/results.md, "Tool use", seeds 0-4 on a 2-core AMD EPYC with AVX-512): held-out
 greedy accuracy 0.450 (0.430-0.471) after the warm-start, 0.998 (0.992-1.000) after the 100 RL
 steps, at least 0.992 at every evaluation from RL step 20 on; the calculator called in 160
-(138-180) of 512 episodes at RL step 1, 505 (501-511) at step 100. XLA's AVX2 path, seeds 0-2:
-0.462 (0.449-0.484) -> 0.999 (0.998-1.000). A run (warm-start included)
+(138-180) of 512 episodes at RL step 1, 505 (501-511) at step 100. XLA's AVX2 path, seeds 0-4:
+0.461 (0.441-0.484) -> 0.999 (0.998-1.000). A run (warm-start included)
 takes ~22 minutes on that CPU, two at a time. ':smoke' (1- and 2-digit products) only checks
 that everything moves.
 """
