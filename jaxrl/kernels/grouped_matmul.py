@@ -15,10 +15,12 @@ each program loads its tile's group span (the first group with rows in it and on
 last, from a table made before the call) and loops over those groups, each a loop over K in bk
 slices of lhs tile @ rhs[group]'s column block, keeping that group's rows; a tile no group
 reaches stays zero. Blocks are powers of two of at least 16 (`jaxrl.kernels.blocks`), the
-operands zero-padded to them. Both kernels are tested through the Pallas interpreter; the Triton
-one also ran on an NVIDIA H200 (2026-12-04, docs/benchmarks.md: 1.8-2.8x `ragged_dot` over 8
-experts, 7.7-10.8x over 64). `auto` picks pallas_tpu on a TPU, pallas_gpu on a GPU and `tiled`
-(below) elsewhere.
+operands zero-padded to them (Triton named in the call's params: jax 0.10 would otherwise lower
+it through Mosaic GPU, whose shared memory cannot hold a block of every expert). Both kernels are
+tested through the Pallas interpreter and lowered for their backends on a CPU
+(tests/kernels/lowering_test.py); the Triton one also ran on an NVIDIA H200 (2026-12-04,
+docs/benchmarks.md: 1.8-2.8x `ragged_dot` over 8 experts, 7.7-10.8x over 64). `auto` picks
+pallas_tpu on a TPU, pallas_gpu on a GPU and `tiled` (below) elsewhere.
 
 `tiled` is the same visit walk in plain jnp, for CPUs: the visits' row tiles and their groups'
 weights gathered into one batched matmul [V, bm, K] @ [V, K, N], each visit's rows outside its
@@ -174,6 +176,8 @@ def _gpu_kernel(first_ref, last_ref, starts_ref, ends_ref, lhs_ref, rhs_ref, o_r
 
 
 def _triton(lhs, rhs, group_sizes, *, block, interpret):
+  from jax.experimental.pallas import triton as pltriton
+
   m, k = lhs.shape
   e, _, n = rhs.shape
   bm, bn = gpu_block(block[0], m), gpu_block(block[1], n)
@@ -185,6 +189,9 @@ def _triton(lhs, rhs, group_sizes, *, block, interpret):
   ends = jnp.cumsum(group_sizes.astype(jnp.int32))
   starts = ends - group_sizes.astype(jnp.int32)
   whole = lambda a: pl.BlockSpec(a.shape, lambda i, j: (0,) * a.ndim)  # noqa: E731
+  # Triton named explicitly: with no compiler params jax 0.10 lowers a GPU pallas_call through
+  # Mosaic GPU, which copies every block into shared memory (rhs's whole expert column block
+  # overflows it; tests/kernels/lowering_test.py).
   out = pl.pallas_call(
     functools.partial(_gpu_kernel, bk=bk),
     grid=(mp // bm, np_ // bn),
@@ -198,6 +205,7 @@ def _triton(lhs, rhs, group_sizes, *, block, interpret):
     ],
     out_specs=pl.BlockSpec((bm, bn), lambda i, j: (i, j)),
     out_shape=jax.ShapeDtypeStruct((mp, np_), jnp.float32),
+    compiler_params=pltriton.CompilerParams(),
     interpret=interpret,
   )(first, last, starts, ends, lhs_p, rhs_p)
   return out[:m, :n].astype(lhs.dtype)

@@ -14,7 +14,8 @@ own Triton paged-attention kernel (`jax.experimental.pallas.ops.gpu.paged_attent
 layout) for decode steps (`paged_attention_gpu`); `auto` the reference. The Triton path was
 compiled on an NVIDIA H200 on 2026-12-04 (docs/benchmarks.md): 2.5-2.7x the gather path for one
 decode step of 64 sequences with bf16 pages, but no gain inside the engine at 288 positions, so
-`auto` stays the reference; the Mosaic TPU kernel has run only through the Pallas interpreter.
+`auto` stays the reference; the Mosaic TPU kernel has run only through the Pallas interpreter
+and is lowered for a TPU on a CPU in tests (tests/kernels/lowering_test.py), never compiled.
 
 An fp8 cache (pages of float8_e4m3fn, `PagedKV.k_scale` / `v_scale` per kv head) stores each
 key and value divided by its head's scale, saturated at the format's largest value. Reading it
