@@ -90,7 +90,8 @@ class ModelSection:
     choices=KERNELS["attention_kernel"],
     help="the rollout engine's paged attention: 'reference' (jnp, gathers each sequence's "
     "pages) or a Pallas kernel that reads pages in place: 'pallas_tpu' (Mosaic TPU) or "
-    "'pallas_gpu' (JAX's Triton decode kernel; decode steps of full-attention layers)",
+    "'pallas_gpu' (JAX's Triton decode kernel; decode steps of full-attention layers; needs a "
+    "power-of-two head_dim)",
   )
   moe_kernel: str = _field(
     "reference",

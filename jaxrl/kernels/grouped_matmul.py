@@ -99,7 +99,7 @@ def tiled(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, bm: int = 128)
   return out.reshape(mp, -1)[:m].astype(lhs.dtype)
 
 
-def _kernel(group_ref, tile_ref, range_ref, lhs_ref, rhs_ref, o_ref, *, bm: int):
+def _gmm_tpu_kernel(group_ref, tile_ref, range_ref, lhs_ref, rhs_ref, o_ref, *, bm: int):
   v = pl.program_id(1)
   tile = tile_ref[v]
   prev = tile_ref[jnp.maximum(v - 1, 0)]
@@ -134,7 +134,7 @@ def _pallas(lhs, rhs, group_sizes, *, block, interpret):
     out_specs=pl.BlockSpec((bm, bn), lambda j, v, g, t, r: (t[v], j)),
   )
   out = pl.pallas_call(
-    functools.partial(_kernel, bm=bm),
+    functools.partial(_gmm_tpu_kernel, bm=bm),
     grid_spec=grid_spec,
     out_shape=jax.ShapeDtypeStruct((mp, np_), jnp.float32),
     compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
@@ -156,7 +156,7 @@ def tile_spans(group_sizes: jax.Array, m: int, bm: int) -> tuple[jax.Array, jax.
   return first.astype(jnp.int32), last.astype(jnp.int32)
 
 
-def _gpu_kernel(first_ref, last_ref, starts_ref, ends_ref, lhs_ref, rhs_ref, o_ref, *, bk: int):
+def _gmm_gpu_kernel(first_ref, last_ref, starts_ref, ends_ref, lhs_ref, rhs_ref, o_ref, *, bk: int):
   i = pl.program_id(0)
   bm, bn = o_ref.shape
   rows = i * bm + jnp.arange(bm, dtype=jnp.int32)
@@ -193,7 +193,7 @@ def _triton(lhs, rhs, group_sizes, *, block, interpret):
   # Mosaic GPU, which copies every block into shared memory (rhs's whole expert column block
   # overflows it; tests/kernels/lowering_test.py).
   out = pl.pallas_call(
-    functools.partial(_gpu_kernel, bk=bk),
+    functools.partial(_gmm_gpu_kernel, bk=bk),
     grid=(mp // bm, np_ // bn),
     in_specs=[
       whole(first),

@@ -136,6 +136,14 @@ class ModelConfig:
     if not isinstance(self.kernel_interpret, bool):
       got = self.kernel_interpret
       raise ValueError(f"model.kernel_interpret must be True or False, got {got!r}")
+    h = self.head_dim
+    if self.attention_kernel == "pallas_gpu" and not self.kernel_interpret and h & (h - 1):
+      # Triton's lowering takes power-of-two array sizes only (tests/kernels/lowering_test.py).
+      raise ValueError(
+        f"model.attention_kernel='pallas_gpu' needs a power-of-two model.head_dim for JAX's "
+        f"Triton paged-attention kernel; this model's is {h}: use 'reference' (or "
+        "kernel_interpret=True, the Pallas interpreter)"
+      )
 
   def _validate_gemma_fields(self):
     if self.layer_types is not None:

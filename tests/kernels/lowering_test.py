@@ -7,16 +7,27 @@ cover is the backend compiler behind the custom call (Mosaic's layout passes in 
 PTX): that needs the device (`bench/device_kernels.py`).
 
 Each case asserts that the lowered module holds exactly the expected number of that backend's
-kernel calls: the dispatch took the kernel, not a reference fallback."""
+kernel calls: the dispatch took the kernel, not a reference fallback. The last tests lower the
+rollout engine's own programs with every kernel switched on at its call site in a whole model,
+dense and MoE."""
 
+import collections
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
+from helpers import graphdef_of, perturbed_model
 from jax import export
 
 from jaxrl.kernels import PagedKV, grouped_matmul, paged_attention, quant_matmul
+from jaxrl.models import ModelConfig
+from jaxrl.quant import quantize_params
+from jaxrl.rollout.driver import Driver, Request
+from jaxrl.rollout.engine import Engine
+from jaxrl.rollout.sampling import SamplingParams
 
 S = jax.ShapeDtypeStruct
 F32, BF16, E4M3, E5M2, I8, I32 = (
@@ -168,3 +179,76 @@ def test_paged_attention_tpu_kernel_lowers_for_prefill_windows_and_soft_caps():
   fn = _paged("pallas_tpu", scaled=False, window=7, soft_cap=30.0)
   args = _paged_args(3, 5, 4, 2, 16, 9, 4, 3, F32)
   assert _kernel_calls(_lowered(fn, args, "tpu"), "tpu") == 1
+
+
+# ------------------------------------------------------------------ the engine's programs
+
+_PROGRAMS = ("_prefill_jit", "_insert_jit", "_generate_steps_jit")
+
+
+def _engine(cfg, kv_dtype):
+  return Engine(
+    cfg, graphdef_of(cfg), max_concurrent_decodes=4, num_pages=32, page_size=4,
+    max_prefill_length=12, max_target_length=32, kv_dtype=kv_dtype,
+  )  # fmt: skip
+
+
+def _program_args(cfg, params, kv_dtype) -> dict:
+  """The abstract arguments of each engine program's first call in a short run on this CPU,
+  with the reference kernels (the kernels change no program's signature)."""
+  eng, got = _engine(cfg, kv_dtype), {}
+  spec = lambda x: S(x.shape, x.dtype) if isinstance(x, (jax.Array, np.ndarray, np.generic)) else x  # noqa: E731
+  for name in _PROGRAMS:
+    real = getattr(eng, name)
+
+    def record(*a, _real=real, _name=name, **kw):
+      got.setdefault(_name, jax.tree.map(spec, (a, kw)))
+      return _real(*a, **kw)
+
+    record._cache_size = real._cache_size  # Engine.program_count reads it
+    setattr(eng, name, record)
+  request = Request(
+    [1, 5, 9, 17, 30], 0, sampling=SamplingParams(temperature=1.0), max_new_tokens=8
+  )
+  Driver(eng, steps_per_call=3, eos_id=None).run(params, [request], seed=0)
+  assert set(got) == set(_PROGRAMS)
+  return got
+
+
+def _kernel_names(text: str, platform: str) -> dict:
+  pattern = r'kernel_name = "(\w+)"' if platform == "tpu" else r'\bname = "(\w+)"'
+  return dict(collections.Counter(re.findall(pattern, text)))
+
+
+@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
+@pytest.mark.parametrize("platform", list(PLATFORMS))
+def test_the_engines_programs_lower_with_every_kernel_at_its_call_site(platform, moe):
+  cfg = ModelConfig.tiny().replace(head_dim=16)  # Triton's paged attention: a power of two
+  if moe:
+    cfg = cfg.replace(num_experts=5, experts_per_token=2, moe_mlp_dim=22)
+  _, params = perturbed_model(cfg)
+  # The TPU run samples with fp8 weights and fp8 pages, the GPU run with int8 weights.
+  quant, kv_dtype = ("fp8", "fp8") if platform == "tpu" else ("int8", "auto")
+  qparams = quantize_params(params, quant)
+  impl, _ = PLATFORMS[platform]
+  kcfg = cfg.replace(attention_kernel=impl, matmul_kernel=impl, moe_kernel=impl)
+  engine = _engine(kcfg, kv_dtype)
+  lowered = {}
+  for name, (args, kwargs) in _program_args(cfg, qparams, kv_dtype).items():
+    exp = export.export(getattr(engine, name), platforms=(platform,), disabled_checks=[_TRITON_OK])
+    lowered[name] = _kernel_names(exp(*args, **kwargs).mlir_module(), platform)
+  layers = cfg.num_layers
+  # Quantized projections: q, k, v, o, and gate, up, down unless the experts take those.
+  qmm = {"tpu": "_tpu_kernel", "cuda": "_gpu_kernel"}[platform]
+  want = {qmm: (4 if moe else 7) * layers}
+  if moe:  # the experts' gate, up and down projections
+    want[{"tpu": "_gmm_tpu_kernel", "cuda": "_gmm_gpu_kernel"}[platform]] = 3 * layers
+  assert lowered["_prefill_jit"] == want  # a contiguous cache: no paged attention
+  assert lowered["_insert_jit"] == {}
+  decode = dict(lowered["_generate_steps_jit"])
+  if platform == "tpu":
+    assert decode.pop("_paged_kernel") == layers
+  else:  # JAX's Triton kernel is one jitted function, lowered once and called per layer
+    (paged,) = [k for k in decode if k.startswith("paged_attention")]
+    assert decode.pop(paged) >= 1
+  assert decode == want

@@ -166,6 +166,11 @@ def test_bad_kernel_choices_are_named():
     ModelConfig.tiny().replace(moe_kernel="triton")
   with pytest.raises(ValueError, match="kernel_interpret"):
     ModelConfig.tiny().replace(kernel_interpret="yes")
+  # JAX's Triton paged attention lowers only power-of-two sizes (tests/kernels/lowering_test.py).
+  with pytest.raises(ValueError, match="power-of-two model.head_dim.*this model's is 14"):
+    ModelConfig.tiny().replace(attention_kernel="pallas_gpu")
+  assert ModelConfig.tiny().replace(attention_kernel="pallas_gpu", head_dim=16).head_dim == 16
+  assert ModelConfig.tiny().replace(attention_kernel="pallas_gpu", kernel_interpret=True)
   assert backend_problem("pallas_tpu", False, "tpu") is None
   assert backend_problem("pallas_gpu", True, "cpu") is None
   assert "GPU only" in backend_problem("pallas_gpu", False, "tpu")
