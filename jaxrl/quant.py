@@ -36,6 +36,7 @@ import numpy as np
 from flax import nnx
 
 from jaxrl.kernels.contract import contract
+from jaxrl.kernels.partition import kernel_mesh, matmul_split, sharded_matmul
 from jaxrl.kernels.quant_matmul import quant_matmul
 
 _QMAX = 127.0  # symmetric int8: -128 is never used, so negation stays exact
@@ -346,6 +347,7 @@ def quantized_einsum(
   *,
   impl: str = "reference",
   interpret: bool = False,
+  w_axes: tuple[str | None, ...] | None = None,
 ) -> jax.Array:
   """W8A8 `einsum(eq, x, W)`: x quantized like W (per row for a per-channel W, in groups of
   the block's K edge for a `BlockQArray`), the dot in the quantized dtype (int8 -> int32
@@ -354,7 +356,9 @@ def quantized_einsum(
   `impl` picks the per-channel product: "reference" (the einsum below) or a Pallas kernel of
   `jaxrl.kernels.quant_matmul` ("auto", "pallas_tpu", "pallas_gpu"; `interpret` runs it
   through the Pallas interpreter), which takes x as [M, K] codes and W as [K, N]. Block-scaled
-  weights have no kernel yet: "auto" runs their reference, a named kernel is an error.
+  weights have no kernel yet: "auto" runs their reference, a named kernel is an error. On a
+  mesh of several devices the kernel runs per shard of W (`jaxrl.kernels.partition`), split as
+  the active rules place W's logical axes `w_axes` (whole when None).
 
   eq is one of project()'s einsums ("BTD,DNH->BTNH", "BTNH,NHD->BTD", "BTD,DF->BTF", ...).
   On CPU XLA lowers the int8 einsum to an integer dot that is ~1.8x the speed of the float32
@@ -381,14 +385,13 @@ def quantized_einsum(
     if xs[len(xs) - n_in :] != contracted:
       raise ValueError(f"the quantized-matmul kernel needs x's contracted axes last, got {eq!r}")
     lead_shape, k = x.shape[: x.ndim - n_in], math.prod(q.shape[:n_in])
-    y = quant_matmul(
-      xq.reshape(-1, k),
-      q.values.reshape(k, -1),
-      q.scale.reshape(-1),
-      x_scale.reshape(-1),
-      impl=impl,
-      interpret=interpret,
-    )
+    mm = functools.partial(quant_matmul, impl=impl, interpret=interpret)
+    args = (xq.reshape(-1, k), q.values.reshape(k, -1), q.scale.reshape(-1), x_scale.reshape(-1))
+    mesh = kernel_mesh()
+    if mesh is None:
+      y = mm(*args)
+    else:
+      y = sharded_matmul(mm, mesh, *matmul_split(mesh, w_axes, q.shape, n_in), *args)
     return y.reshape(*lead_shape, *q.shape[n_in:]).astype(x.dtype)
   acc = contract(eq, xq, q.values, preferred_element_type=acc_type)  # out = [*lead, *kept]
   x_scale = x_scale.reshape(x_scale.shape + (1,) * len(kept))

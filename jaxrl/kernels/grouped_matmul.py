@@ -41,8 +41,10 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.sharding import PartitionSpec as P
 
 from jaxrl.kernels.blocks import gpu_block, round_up
+from jaxrl.kernels.partition import kernel_mesh, shard_mapped
 
 IMPLS = ("auto", "reference", "tiled", "pallas_tpu", "pallas_gpu")
 
@@ -268,4 +270,10 @@ def grouped_matmul(
   impl = resolve_impl(impl)
   if impl == "tiled":  # plain jnp: autodiff gives its own (equally tiled) gradient
     return tiled(lhs, rhs, group_sizes, block[0])
-  return _gmm(lhs, rhs, group_sizes, impl, tuple(block), interpret)
+  mesh = kernel_mesh()
+  if mesh is None or impl == "reference":
+    return _gmm(lhs, rhs, group_sizes, impl, tuple(block), interpret)
+  # A kernel on a mesh outside the expert-parallel shard_map: whole operands on every device
+  # (jaxrl.kernels.partition); with an expert axis each device runs its own experts instead.
+  kernel = lambda a, b, g: _gmm(a, b, g, impl, tuple(block), interpret)  # noqa: E731
+  return shard_mapped(kernel, mesh, (P(), P(), P()), P())(lhs, rhs, group_sizes)

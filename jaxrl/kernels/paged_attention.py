@@ -31,8 +31,10 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.sharding import PartitionSpec as P
 
 from jaxrl.kernels.attention import dot_attention
+from jaxrl.kernels.partition import kernel_mesh, mesh_axes_of, shard_mapped
 
 IMPLS = ("auto", "reference", "pallas_tpu", "pallas_gpu")
 
@@ -125,11 +127,15 @@ def paged_attention(
     )
     return out * per_head(cache.v_scale)
   if impl == "pallas_tpu":
-    return paged_attention_pallas(
-      q, cache, q_positions, window=window, soft_cap=soft_cap, scale=scale, interpret=interpret
+    kernel = functools.partial(
+      paged_attention_pallas, window=window, soft_cap=soft_cap, scale=scale, interpret=interpret
     )
+    return _per_head_shards(kernel, q, cache, q_positions)
   if impl == "pallas_gpu" and q.shape[1] == 1 and window is None:
-    return paged_attention_gpu(q, cache, soft_cap=soft_cap, scale=scale, interpret=interpret)
+    kernel = functools.partial(
+      paged_attention_gpu, soft_cap=soft_cap, scale=scale, interpret=interpret
+    )
+    return _per_head_shards(lambda q, cache, _: kernel(q, cache), q, cache, q_positions)
   # "pallas_gpu" covers decode steps of full-attention layers; a sliding-window layer or a
   # multi-token call (T > 1) runs the reference.
   # "auto" stays the reference (see the module docstring).
@@ -144,6 +150,20 @@ def paged_attention(
     soft_cap=soft_cap,
     scale=scale,
   )
+
+
+def _per_head_shards(kernel, q: jax.Array, cache: PagedKV, q_positions: jax.Array) -> jax.Array:
+  """kernel(q, cache, q_positions), on a mesh of several devices per shard of the kv heads
+  (`jaxrl.kernels.partition`): each device attends with its heads' pages and queries, as the
+  engine lays the pool out (kv heads split as the rules place them, the page table, lengths and
+  positions on every device); heads the rules replicate are computed on every device."""
+  mesh = kernel_mesh()
+  if mesh is None:
+    return kernel(q, cache, q_positions)
+  ax = mesh_axes_of(mesh, "act_kv_heads", cache.k_pages.shape[0])
+  heads, pages = P(None, None, ax, None), P(ax, None, None, None)
+  cache_spec = cache._replace(k_pages=pages, v_pages=pages, page_table=P(), lengths=P())
+  return shard_mapped(kernel, mesh, (heads, cache_spec, P()), heads)(q, cache, q_positions)
 
 
 def paged_attention_reference(

@@ -80,7 +80,8 @@ def project(
   dt = x.dtype
   value = w.get_value()
   if isinstance(value, QArray | BlockQArray):
-    y = quantized_einsum(eq, x, value, impl=kernel[0], interpret=kernel[1])
+    axes = w.get_metadata().get("axes")
+    y = quantized_einsum(eq, x, value, impl=kernel[0], interpret=kernel[1], w_axes=axes)
   elif isinstance(value, FakeQuant):
     y = fake_quant_einsum(eq, x, value)
   else:

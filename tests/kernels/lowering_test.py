@@ -12,6 +12,7 @@ rollout engine's own programs with every kernel switched on at its call site in 
 dense and MoE."""
 
 import collections
+import contextlib
 import functools
 import re
 
@@ -23,6 +24,7 @@ from helpers import graphdef_of, perturbed_model
 from jax import export
 
 from jaxrl.kernels import PagedKV, grouped_matmul, paged_attention, quant_matmul
+from jaxrl.mesh import make_mesh, use_mesh
 from jaxrl.models import ModelConfig
 from jaxrl.quant import quantize_params
 from jaxrl.rollout.driver import Driver, Request
@@ -186,10 +188,10 @@ def test_paged_attention_tpu_kernel_lowers_for_prefill_windows_and_soft_caps():
 _PROGRAMS = ("_prefill_jit", "_insert_jit", "_generate_steps_jit")
 
 
-def _engine(cfg, kv_dtype):
+def _engine(cfg, kv_dtype, mesh=None):
   return Engine(
     cfg, graphdef_of(cfg), max_concurrent_decodes=4, num_pages=32, page_size=4,
-    max_prefill_length=12, max_target_length=32, kv_dtype=kv_dtype,
+    max_prefill_length=12, max_target_length=32, kv_dtype=kv_dtype, mesh=mesh,
   )  # fmt: skip
 
 
@@ -216,13 +218,18 @@ def _program_args(cfg, params, kv_dtype) -> dict:
 
 
 def _kernel_names(text: str, platform: str) -> dict:
-  pattern = r'kernel_name = "(\w+)"' if platform == "tpu" else r'\bname = "(\w+)"'
+  # Mosaic's custom-call config names its kernel; a Triton call's config lists its kernel's name
+  # just before num_stages (a bare `name = ` would also match the mesh's axes).
+  pattern = r'kernel_name = "(\w+)"' if platform == "tpu" else r'\bname = "(\w+)", num_stages'
   return dict(collections.Counter(re.findall(pattern, text)))
 
 
+@pytest.mark.parametrize("on_mesh", [False, True], ids=["one_device", "mesh"])
 @pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
 @pytest.mark.parametrize("platform", list(PLATFORMS))
-def test_the_engines_programs_lower_with_every_kernel_at_its_call_site(platform, moe):
+def test_the_engines_programs_lower_with_every_kernel_at_its_call_site(platform, moe, on_mesh):
+  # On 8 devices (fsdp 4 x tensor 2) every kernel runs inside a shard_map: JAX refuses to lower
+  # a Mosaic kernel in a program partitioned over several devices (jaxrl.kernels.partition).
   cfg = ModelConfig.tiny().replace(head_dim=16)  # Triton's paged attention: a power of two
   if moe:
     cfg = cfg.replace(num_experts=5, experts_per_token=2, moe_mlp_dim=22)
@@ -232,11 +239,13 @@ def test_the_engines_programs_lower_with_every_kernel_at_its_call_site(platform,
   qparams = quantize_params(params, quant)
   impl, _ = PLATFORMS[platform]
   kcfg = cfg.replace(attention_kernel=impl, matmul_kernel=impl, moe_kernel=impl)
-  engine = _engine(kcfg, kv_dtype)
+  mesh = make_mesh(fsdp=4, tensor=2) if on_mesh else None
+  engine = _engine(kcfg, kv_dtype, mesh)
   lowered = {}
   for name, (args, kwargs) in _program_args(cfg, qparams, kv_dtype).items():
     exp = export.export(getattr(engine, name), platforms=(platform,), disabled_checks=[_TRITON_OK])
-    lowered[name] = _kernel_names(exp(*args, **kwargs).mlir_module(), platform)
+    with use_mesh(mesh, "fsdp_tp") if on_mesh else contextlib.nullcontext():
+      lowered[name] = _kernel_names(exp(*args, **kwargs).mlir_module(), platform)
   layers = cfg.num_layers
   # Quantized projections: q, k, v, o, and gate, up, down unless the experts take those.
   qmm = {"tpu": "_tpu_kernel", "cuda": "_gpu_kernel"}[platform]
