@@ -37,7 +37,7 @@ from flax import nnx
 
 from jaxrl.kernels.contract import contract
 from jaxrl.kernels.partition import kernel_mesh, matmul_split, sharded_matmul
-from jaxrl.kernels.quant_matmul import quant_matmul
+from jaxrl.kernels.quant_matmul import quant_matmul, resolve_impl
 
 _QMAX = 127.0  # symmetric int8: -128 is never used, so negation stays exact
 QUANT_MODES = ("int8", "fp8", "fp8_e5m2", "fp8_block", "fp4", "nvfp4")
@@ -387,7 +387,7 @@ def quantized_einsum(
     lead_shape, k = x.shape[: x.ndim - n_in], math.prod(q.shape[:n_in])
     mm = functools.partial(quant_matmul, impl=impl, interpret=interpret)
     args = (xq.reshape(-1, k), q.values.reshape(k, -1), q.scale.reshape(-1), x_scale.reshape(-1))
-    mesh = kernel_mesh()
+    mesh = kernel_mesh() if resolve_impl(impl) != "reference" else None  # "auto" on a CPU
     if mesh is None:
       y = mm(*args)
     else:

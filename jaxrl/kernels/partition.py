@@ -40,18 +40,6 @@ def mesh_axes_of(mesh, logical: str, size: int):
   return logical_to_spec((logical,), rules, shape=(size,), mesh=mesh)[0]
 
 
-def axis_size(mesh, axes) -> int:
-  """How many ways `axes` (a mesh axis name, a tuple of them, or None) split a dim."""
-  if axes is None:
-    return 1
-  sizes = dict(mesh.shape)
-  names = (axes,) if isinstance(axes, str) else axes
-  n = 1
-  for a in names:
-    n *= sizes[a]
-  return n
-
-
 def shard_mapped(fn, mesh, in_specs, out_specs):
   """`fn` as a shard_map over every axis of `mesh` (a kernel's body needs no replication
   checks: what it returns per device is what out_specs say)."""
