@@ -207,3 +207,14 @@ def as_processes(monkeypatch, count: int) -> None:
 
   shares = lambda fn, n: [fn(distributed.share(n, p, count)) for p in range(count)]  # noqa: E731
   monkeypatch.setattr(distributed, "gather_shares", shares)
+
+
+def small_engine(cfg: ModelConfig, graphdef=None, *, kv_dtype="auto", mesh=None):
+  """The kernel tests' rollout engine: 4 slots, 32 pages of 4 positions, prompts up to 12."""
+  from jaxrl.rollout.engine import Engine  # here: most tests using these helpers need no engine
+
+  return Engine(
+    cfg, graphdef_of(cfg) if graphdef is None else graphdef, max_concurrent_decodes=4,
+    num_pages=32, page_size=4, max_prefill_length=12, max_target_length=32, kv_dtype=kv_dtype,
+    mesh=mesh,
+  )  # fmt: skip

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import graphdef_of, perturbed_model
+from helpers import perturbed_model, small_engine
 from jax import export
 
 from jaxrl.kernels import PagedKV, grouped_matmul, paged_attention, quant_matmul
@@ -28,7 +28,6 @@ from jaxrl.mesh import make_mesh, use_mesh
 from jaxrl.models import ModelConfig
 from jaxrl.quant import quantize_params
 from jaxrl.rollout.driver import Driver, Request
-from jaxrl.rollout.engine import Engine
 from jaxrl.rollout.sampling import SamplingParams
 
 S = jax.ShapeDtypeStruct
@@ -188,17 +187,10 @@ def test_paged_attention_tpu_kernel_lowers_for_prefill_windows_and_soft_caps():
 _PROGRAMS = ("_prefill_jit", "_insert_jit", "_generate_steps_jit")
 
 
-def _engine(cfg, kv_dtype, mesh=None):
-  return Engine(
-    cfg, graphdef_of(cfg), max_concurrent_decodes=4, num_pages=32, page_size=4,
-    max_prefill_length=12, max_target_length=32, kv_dtype=kv_dtype, mesh=mesh,
-  )  # fmt: skip
-
-
 def _program_args(cfg, params, kv_dtype) -> dict:
   """The abstract arguments of each engine program's first call in a short run on this CPU,
   with the reference kernels (the kernels change no program's signature)."""
-  eng, got = _engine(cfg, kv_dtype), {}
+  eng, got = small_engine(cfg, kv_dtype=kv_dtype), {}
   spec = lambda x: S(x.shape, x.dtype) if isinstance(x, (jax.Array, np.ndarray, np.generic)) else x  # noqa: E731
   for name in _PROGRAMS:
     real = getattr(eng, name)
@@ -240,7 +232,7 @@ def test_the_engines_programs_lower_with_every_kernel_at_its_call_site(platform,
   impl, _ = PLATFORMS[platform]
   kcfg = cfg.replace(attention_kernel=impl, matmul_kernel=impl, moe_kernel=impl)
   mesh = make_mesh(fsdp=4, tensor=2) if on_mesh else None
-  engine = _engine(kcfg, kv_dtype, mesh)
+  engine = small_engine(kcfg, kv_dtype=kv_dtype, mesh=mesh)
   lowered = {}
   for name, (args, kwargs) in _program_args(cfg, qparams, kv_dtype).items():
     exp = export.export(getattr(engine, name), platforms=(platform,), disabled_checks=[_TRITON_OK])

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import apply, graphdef_of, perturbed_model, tiny_model
+from helpers import apply, graphdef_of, perturbed_model, small_engine, tiny_model
 
 from jaxrl.config import ConfigError, config_module, validate
 from jaxrl.kernels import backend_problem
@@ -17,7 +17,6 @@ from jaxrl.models import ModelConfig
 from jaxrl.models.transformer import positions_from_mask
 from jaxrl.quant import quantize_params, quantize_weight, quantized_einsum
 from jaxrl.rollout.driver import Driver, Request
-from jaxrl.rollout.engine import Engine
 from jaxrl.rollout.sampling import SamplingParams
 
 INTERPRET = dict(kernel_interpret=True)
@@ -88,13 +87,6 @@ def test_block_scaled_weights_have_no_matmul_kernel():
     quantized_einsum("BTD,DF->BTF", x, q, impl="pallas_tpu", interpret=True)
 
 
-def _engine(cfg, graphdef, kv_dtype):
-  return Engine(
-    cfg, graphdef, max_concurrent_decodes=4, num_pages=32, page_size=4, max_prefill_length=12,
-    max_target_length=32, kv_dtype=kv_dtype,
-  )  # fmt: skip
-
-
 def _requests(temperature):
   prompts = [[1, 5, 9, 17, 30], [1, 40, 41], [1, 100, 7, 8, 9, 10, 11]]
   return [
@@ -113,7 +105,7 @@ def test_engine_with_the_paged_attention_kernel_decodes_what_the_reference_does(
   kcfg = cfg.replace(attention_kernel=impl, **INTERPRET)
   runs = {}
   for name, (c, g) in {"ref": (cfg, graphdef), "kernel": (kcfg, graphdef_of(kcfg))}.items():
-    driver = Driver(_engine(c, g, kv_dtype), steps_per_call=3, eos_id=None)
+    driver = Driver(small_engine(c, g, kv_dtype=kv_dtype), steps_per_call=3, eos_id=None)
     runs[name] = {
       t: sorted(driver.run(params, _requests(t), seed=0).finished, key=lambda x: x.request_id)
       for t in (0.0, 1.0)
