@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import math
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -316,6 +317,31 @@ def use_mesh(mesh: Mesh, rules: Rules | str) -> Iterator[Mesh]:
 def active_rules() -> Rules | None:
   """The rules set by the innermost `use_mesh`, or None outside one."""
   return _ACTIVE_RULES.get()
+
+
+def traced_on(fn, mesh: Mesh | None, rules: Rules | str):
+  """`fn` (to be jitted) traced with `mesh` and `rules` as its context when its caller set none.
+
+  A program built for a mesh (the engine's) then places its activations and partitions its
+  Pallas kernels as it does inside `use_mesh`, whether or not its caller entered one; a caller's
+  own context is left as it is. The mesh is entered as an abstract mesh, which a trace allows.
+  """
+  if mesh is None:
+    return fn
+  rules = _as_rules(rules)
+
+  @functools.wraps(fn)
+  def traced(*args, **kwargs):
+    if not jax.sharding.get_abstract_mesh().empty:
+      return fn(*args, **kwargs)
+    token = _ACTIVE_RULES.set(rules)
+    try:
+      with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+        return fn(*args, **kwargs)
+    finally:
+      _ACTIVE_RULES.reset(token)
+
+  return traced
 
 
 def logical_constraint(

@@ -280,3 +280,30 @@ def test_path_str_joins_every_kind_of_key_with_slashes():
   path = (DictKey("layers"), SequenceKey(0), GetAttrKey("attn"), FlattenedIndexKey(2), DictKey(5))
   assert meshlib.path_str(path) == "layers/0/attn/2/5"
   assert meshlib.path_str(()) == ""
+
+
+def test_traced_on_gives_a_program_its_mesh_and_rules_unless_the_caller_set_them():
+  mesh = meshlib.make_mesh(data=2, fsdp=4, tensor=1)
+  seen = []
+
+  def body(x):
+    seen.append(meshlib.active_rules())
+    return meshlib.logical_constraint(x * 2, ("batch", "act_embed"))
+
+  # On the mesh, replicated (as the engine's params and state are); the abstract mesh is only
+  # a context: the devices are the arguments'.
+  x = jax.device_put(jnp.ones((16, 3)), NamedSharding(mesh, P()))
+  got = jax.jit(meshlib.traced_on(body, mesh, "fsdp_tp"))(x)
+  # No context: the program traced under the mesh and rules it was built for, the constraint
+  # placed its output, and nothing leaked out of the trace.
+  assert seen == [meshlib.RULES["fsdp_tp"]]
+  assert got.sharding.is_equivalent_to(NamedSharding(mesh, P(("data", "fsdp"), None)), 2)
+  assert meshlib.active_rules() is None and jax.sharding.get_abstract_mesh().empty
+  np.testing.assert_array_equal(got, 2 * np.ones((16, 3)))
+  # A caller's own context is left as it is (here: other rules, which keep the batch whole).
+  whole = (("batch", None), ("act_embed", None))
+  with meshlib.use_mesh(mesh, whole):
+    kept = jax.jit(meshlib.traced_on(body, mesh, "fsdp_tp"))(x)
+  assert seen[-1] == whole and kept.sharding.is_fully_replicated
+  # No mesh: the function itself.
+  assert meshlib.traced_on(body, None, "fsdp_tp") is body

@@ -11,7 +11,8 @@ the way in (an FSDP-sharded weight is all-gathered, as FSDP does for any matmul)
 `shard_map` already (the expert-parallel MoE) or off a mesh the kernel is called as it is.
 
 The mesh and rules are the context's (`jaxrl.mesh.use_mesh`, which the SFT and RL phases and
-`launch.evaluate` enter): an `Engine` built on a mesh and driven outside one does not see them.
+`launch.evaluate` enter); an `Engine` built on a mesh traces its programs under its own mesh and
+rules when its caller entered none (`jaxrl.mesh.traced_on`).
 """
 
 from __future__ import annotations

@@ -7,9 +7,9 @@ same forward with a `PagedKV` cache, on a donated `DecodeState`. Host bookkeepin
 slot holds) lives in the engine; everything on the device is in the explicit state pytree.
 
 On a mesh the decode state and the prefill caches are made on it with fixed shardings (KV split
-over kv heads by the rules, the per-slot vectors replicated), and every jitted call returns them
-with those same shardings: the state it hands back is the state it was compiled for, so each
-program compiles once however many runs reuse the engine.
+over kv heads by the rules, the per-slot vectors replicated), every jitted call returns them so
+(each program compiles once however many runs reuse the engine), and its programs trace under the
+engine's mesh and rules when the caller entered no `use_mesh` (activations, Pallas kernels).
 
 Sampling keys are fold_in(fold_in(key(seed), request_id), token_index), so a request draws the
 same tokens whatever slot it lands in and whatever else is in the batch.
@@ -33,7 +33,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxrl.kernels.paged_attention import FP8_KV_MAX, PagedKV, write_kv
-from jaxrl.mesh import Rules, named_sharding
+from jaxrl.mesh import Rules, named_sharding, traced_on
 from jaxrl.models.config import ModelConfig
 from jaxrl.models.transformer import init_cache, make_model
 from jaxrl.rollout.engine_prefill import MIN_PREFILL_BUCKET, PrefillMixin
@@ -171,23 +171,23 @@ class Engine(PrefillMixin):
     def pin(out):
       return {} if mesh is None else {"out_shardings": out}
 
+    on = functools.partial(traced_on, mesh=mesh, rules=rules)
     self._prefill_jit = jax.jit(
-      self._prefill_fn,
+      on(self._prefill_fn),
       donate_argnums=1,
       static_argnames="capacity",
       **pin((kv, rep, rep, rep, rep)),
     )
-    self._insert_jit = jax.jit(self._insert_fn, donate_argnums=0, **pin(st))
-    self._generate_jit = jax.jit(self._generate_fn, donate_argnums=1, **pin((st, rep)))
+    self._insert_jit = jax.jit(on(self._insert_fn), donate_argnums=0, **pin(st))
+    self._generate_jit = jax.jit(on(self._generate_fn), donate_argnums=1, **pin((st, rep)))
     self._generate_steps_jit = jax.jit(
-      self._generate_fn, static_argnums=2, donate_argnums=1, **pin((st, rep))
+      on(self._generate_fn), static_argnums=2, donate_argnums=1, **pin((st, rep))
     )
     self._deactivate_jit = jax.jit(
       lambda st, mask: st._replace(active=st.active & ~mask), donate_argnums=0, **pin(st)
     )
-    # The zeros are made by one jitted call: one compile for the whole state (as eager
-    # `jnp.zeros` it was one small program per distinct shape, each compiled in a run's first
-    # step), and on a mesh already split: a pool is never whole on one device.
+    # The zeros by one jitted call: one compile for the whole state (eager `jnp.zeros` compiled a
+    # program per shape in a run's first step), and on a mesh already split across its devices.
     self._zero_state = jax.jit(self._zero_state_fn, out_shardings=st)
     self._zero_cache = functools.partial(init_cache, cfg, 1)
     if mesh is not None:

@@ -216,12 +216,15 @@ def _kernel_names(text: str, platform: str) -> dict:
   return dict(collections.Counter(re.findall(pattern, text)))
 
 
-@pytest.mark.parametrize("on_mesh", [False, True], ids=["one_device", "mesh"])
+@pytest.mark.parametrize("where", ["one_device", "mesh", "mesh_no_context"])
 @pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
 @pytest.mark.parametrize("platform", list(PLATFORMS))
-def test_the_engines_programs_lower_with_every_kernel_at_its_call_site(platform, moe, on_mesh):
+def test_the_engines_programs_lower_with_every_kernel_at_its_call_site(platform, moe, where):
   # On 8 devices (fsdp 4 x tensor 2) every kernel runs inside a shard_map: JAX refuses to lower
   # a Mosaic kernel in a program partitioned over several devices (jaxrl.kernels.partition).
+  # `mesh_no_context`: the engine on the mesh, its caller in no `use_mesh`: the engine's programs
+  # trace under its own mesh and rules.
+  on_mesh = where != "one_device"
   cfg = ModelConfig.tiny().replace(head_dim=16)  # Triton's paged attention: a power of two
   if moe:
     cfg = cfg.replace(num_experts=5, experts_per_token=2, moe_mlp_dim=22)
@@ -236,7 +239,7 @@ def test_the_engines_programs_lower_with_every_kernel_at_its_call_site(platform,
   lowered = {}
   for name, (args, kwargs) in _program_args(cfg, qparams, kv_dtype).items():
     exp = export.export(getattr(engine, name), platforms=(platform,), disabled_checks=[_TRITON_OK])
-    with use_mesh(mesh, "fsdp_tp") if on_mesh else contextlib.nullcontext():
+    with use_mesh(mesh, "fsdp_tp") if where == "mesh" else contextlib.nullcontext():
       lowered[name] = _kernel_names(exp(*args, **kwargs).mlir_module(), platform)
   layers = cfg.num_layers
   # Quantized projections: q, k, v, o, and gate, up, down unless the experts take those.

@@ -5,6 +5,8 @@ its reference gives unsharded; the split each weight gets is the one its layout 
 rollout engine decodes the same tokens with every kernel on, on the mesh, as without them off
 it."""
 
+import contextlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -112,8 +114,11 @@ def test_the_grouped_matmul_on_a_mesh_equals_ragged_dot_with_gradients(mesh):
     np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
-def test_the_engine_on_a_mesh_with_every_kernel_decodes_what_the_reference_does(mesh, moe):
+@pytest.mark.parametrize(
+  "moe, context", [(False, True), (True, True), (False, False)], ids=["dense", "moe", "no_context"]
+)
+def test_the_engine_on_a_mesh_with_every_kernel_decodes_what_the_reference_does(mesh, moe, context):
+  # no_context: driven outside `use_mesh`, the engine's programs take its own mesh and rules.
   cfg = ModelConfig.tiny().replace(head_dim=16)
   if moe:
     cfg = cfg.replace(num_experts=4, experts_per_token=2, moe_mlp_dim=22)
@@ -132,11 +137,8 @@ def test_the_engine_on_a_mesh_with_every_kernel_decodes_what_the_reference_does(
   for name, c, m in [("ref", cfg, None), ("kernels", kcfg, mesh)]:
     engine = small_engine(c, mesh=m)
     driver = Driver(engine, steps_per_call=3, eos_id=None)
-    if m is None:
+    with use_mesh(m, "fsdp_tp") if m is not None and context else contextlib.nullcontext():
       runs[name] = driver.run(qparams, requests, seed=0).finished
-    else:
-      with use_mesh(m, "fsdp_tp"):
-        runs[name] = driver.run(qparams, requests, seed=0).finished
   for a, b in zip(*(sorted(runs[k], key=lambda x: x.request_id) for k in runs), strict=True):
     assert list(a.tokens) == list(b.tokens)
     # The off-mesh kernel test's bound: summation order of the row split's psum and the softmax.
