@@ -3,13 +3,19 @@ the float32 baseline, and the sampler-learner mismatch over training (mismatch/a
 mismatch/kl_k3, the activations rounded to zero, the TIS-truncated token fraction). Reads sweeps
 made with `python -m launch.sweep run ... --sft-from=<the baseline sweep>` (same warm-starts),
 writes a markdown table to stdout, a PNG (accuracy over cumulative rollouts; KL(sampler ||
-learner) over RL steps) and the per-seed numbers as JSON. Sweeps of an MoE policy that record
+learner) over RL steps) and the per-seed numbers as JSON. `--stored NAME=JSON` adds a cell from
+an earlier report's JSON (its sweep's directory gone; paired by seed with the baseline as the
+others are, so the baseline must be the same runs). Sweeps of an MoE policy that record
 the sampler's experts (rl.rollout.routes) add the learner's routing agreement with the sampler
 (moe/route_agree, all layers and per layer) as columns and a third panel.
 
   .venv/bin/python bench/lowprec_report.py --baseline=runs/sweep/careless2d \
       --sweep fp8=runs/sweep/fp8_block_kv --sweep fp8_tis=runs/sweep/fp8_block_kv_tis \
       --png=docs/lowprec_arith.png --json=bench/results/lowprec_arith.json
+  .venv/bin/python bench/lowprec_report.py --baseline=runs/sweep/careless2d --isa=avx2 \
+      --sweep "fp8+TIS+fake-quant learner=runs/sweep/fp8_amd_tis_fq" \
+      --stored "fp8+TIS=bench/results/lowprec_arith_amd_avx2path.json" \
+      --contrast "fp8+TIS+fake-quant learner,fp8+TIS"
   .venv/bin/python bench/lowprec_report.py --baseline=runs/sweep/moe_record \
       --baseline-name="routes recorded" --sweep "R3 replay=runs/sweep/moe_replay" \
       --png=docs/moe_r3_arith.png --json=bench/results/moe_r3_arith.json
@@ -96,6 +102,10 @@ def main(argv=None) -> int:
   ap.add_argument("--baseline", required=True, help="the float32 sweep")
   ap.add_argument("--baseline-name", default="float32 (baseline)")
   ap.add_argument("--sweep", action="append", default=[], metavar="NAME=OUT")
+  ap.add_argument("--stored", action="append", default=[], metavar="NAME=JSON")
+  ap.add_argument(
+    "--contrast", action="append", default=[], metavar="A,B", help="also print A - B, paired"
+  )
   ap.add_argument("--isa", default="native")
   ap.add_argument("--png", default=None)
   ap.add_argument("--json", default=None)
@@ -104,6 +114,19 @@ def main(argv=None) -> int:
   outs.update(dict(item.split("=", 1) for item in args.sweep))
   cells = {name: runs_of(Path(out), args.isa) for name, out in outs.items()}
   mism = {name: mismatch_of(Path(out), args.isa) for name, out in outs.items()}
+  for item in args.stored:
+    name, path = item.split("=", 1)
+    report = json.loads(Path(path).read_text())
+    # Pairing needs the same baseline runs: the stored report's baseline must match seed by seed.
+    for s, r in report.get(args.baseline_name, {}).items():
+      have = cells[args.baseline_name].get(int(s))
+      if have is not None and have["acc"] != r["acc"]:
+        msg = f"its baseline's seed {s} ended at {r['acc']}, this one's at {have['acc']}"
+        raise SystemExit(f"{path}: {msg}: not the same runs, so not paired")
+    stored = {int(s): r for s, r in report[name].items()}  # seed -> {acc, evals, mismatch...}
+    cells[name] = {s: {"acc": r["acc"], "evals": r["evals"]} for s, r in stored.items()}
+    drop = ("acc", "evals")
+    mism[name] = {s: {k: v for k, v in r.items() if k not in drop} for s, r in stored.items()}
   base = cells[args.baseline_name]
   seeds = sorted(set.intersection(*(set(r) for r in cells.values())))
   cells = {name: {s: runs[s] for s in seeds} for name, runs in cells.items()}
@@ -124,6 +147,10 @@ def main(argv=None) -> int:
       f"| {col('mismatch/act_underflow_frac', 5)} | {col('truncated', 5)} |"
       + "".join(f" {col(k)} |" for k in routes)
     )
+  for item in args.contrast:
+    a, b = item.rsplit(",", 1)
+    m, lo, hi = paired([cells[b][s]["acc"] for s in seeds], [cells[a][s]["acc"] for s in seeds])
+    print(f"\n{a} − {b}, paired by seed ({len(seeds)}): {m:+.3f} [{lo:+.3f}, {hi:+.3f}]")
   if args.json:
     raw = {
       name: {
