@@ -11,6 +11,9 @@ and nothing else: no attention, norms, cache writes or sampling. It runs the cha
               gate and up apart (the learner's own arrays, which the sampler reads without a
               copy), plus the output head: the floor of a sampler that does not fuse weights
   xla-int8    W8A8: int8 x int8 -> int32 dot with per-row / per-channel scales (jaxrl.quant)
+  xla-int8-model  the same W8A8 chain over the model's own projections (q, k, v, gate, up
+              apart, as `rl.rollout.quantize="int8"` quantizes them) and the float32 head it
+              leaves unquantized: the floor of jaxrl's int8 sampler
   numpy-f32   numpy's BLAS (OpenBLAS in the numpy wheel)
   torch-f32   torch CPU (what HF generate runs), all cores
 
@@ -109,6 +112,14 @@ def run(model: str, reps: int) -> list[dict]:
   int8 = jax.jit(lambda x, ws: _chain(x, ws, lambda a, w: int8_einsum("BD,DF->BF", a, w)))
   out.append(("xla-int8", _time(lambda: int8(x, q8).block_until_ready(), reps)))
 
+  # int8 projections in the model's layout; the head stays float32 (quantize_params skips it).
+  q8_model = [[quantize_int8(w, 1) for w in ws] for ws in stored[:-1]] + [stored[-1]]
+  mixed = lambda a, w: jnp.dot(a, w) if isinstance(w, jax.Array) else int8_einsum("BD,DF->BF", a, w)  # noqa: E731
+  int8_model = jax.jit(lambda x, ws: _chain(x, ws, mixed))
+  t = _time(lambda: int8_model(x, q8_model).block_until_ready(), reps)
+  int8_model_row = {"model": model, "impl": "xla-int8-model", "ms_per_step": 1e3 * t}
+  int8_model_row["gflops"] = model_flops / t / 1e9
+
   def numpy_chain():
     _chain_np(x, weights, np.dot)
 
@@ -125,7 +136,7 @@ def run(model: str, reps: int) -> list[dict]:
     {"model": model, "impl": name, "ms_per_step": 1e3 * t, "gflops": flops / t / 1e9}
     for name, t in out
   ]
-  return rows[:1] + [model_row] + rows[1:]
+  return rows[:1] + [model_row] + rows[1:2] + [int8_model_row] + rows[2:]
 
 
 def _chain_np(x, layers, mm, tile=np.tile):
@@ -149,9 +160,9 @@ def main(argv=None) -> dict:
   if args.reps <= 0:
     raise SystemExit(f"--reps must be positive, got {args.reps}")
   results = [r for m in models for r in run(m, args.reps)]
-  print(f"\n{'model':8} {'impl':10} {'ms/step':>9} {'GFLOP/s':>9}")
+  print(f"\n{'model':8} {'impl':14} {'ms/step':>9} {'GFLOP/s':>9}")
   for r in results:
-    print(f"{r['model']:8} {r['impl']:10} {r['ms_per_step']:9.2f} {r['gflops']:9.1f}")
+    print(f"{r['model']:8} {r['impl']:14} {r['ms_per_step']:9.2f} {r['gflops']:9.1f}")
   report = {
     "benchmark": "matmul_ceiling",
     "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
