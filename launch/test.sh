@@ -4,6 +4,21 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 source "$ROOT/launch/env.sh"
 cd "$ROOT"
+# libtpu, the version jax[tpu] pins, beside the venv (never imported by it): the TPU compile
+# tests (tests/kernels/tpu_compile_test.py) hand it to child processes to compile the Pallas
+# TPU kernels for real TPU generations on this CPU.
+export JAXRL_LIBTPU_DIR="$ROOT/.venv/libtpu" JAXRL_REQUIRE_LIBTPU=1
+libtpu_spec="$(python - <<'PY'
+import importlib.metadata as md
+print(next(r.split(";")[0].replace(" ", "") for r in md.requires("jax") if r.startswith("libtpu") and 'extra == "tpu"' in r))
+PY
+)"
+if [ "$(cat "$JAXRL_LIBTPU_DIR/.spec" 2>/dev/null)" != "$libtpu_spec" ]; then
+  echo "[jaxrl] installing $libtpu_spec into $JAXRL_LIBTPU_DIR (first run only)" >&2
+  rm -rf "$JAXRL_LIBTPU_DIR"
+  python -m pip install -q --no-deps --target "$JAXRL_LIBTPU_DIR" "$libtpu_spec"
+  echo "$libtpu_spec" > "$JAXRL_LIBTPU_DIR/.spec"
+fi
 ruff check jaxrl configs launch tests bench
 ruff format --check jaxrl configs launch tests bench
 exec python -m pytest -n 2 -q "$@"

@@ -9,7 +9,9 @@ Three implementations of the one contract, chosen by `impl`:
               kernel (CPUs) runs
   pallas_tpu  Mosaic TPU (`pltpu`): a (M / bm, N / bn, K / bk) grid whose K axis is
               "arbitrary", the partial products accumulated in a VMEM scratch block and rescaled
-              once at the last K step
+              once at the last K step; on a chip whose MXU does not take the 8-bit pair (v4:
+              none; v5e-v6e: not e4m3fn) the blocks are upcast to bfloat16 in VMEM
+              (`_tpu_mxu_dtype`)
   pallas_gpu  Triton: a (M / bm, N / bn, split_k) grid, each program looping over its K / split_k
               in bk slices with the accumulator in registers; blocks are powers of two of at
               least 16 (`tl.dot`'s minimum: a decode step's few rows are padded to 16),
@@ -69,14 +71,17 @@ def _block_dot(x, w, acc):
   return jax.lax.dot(x, w, preferred_element_type=acc)
 
 
-def _tpu_kernel(x_ref, w_ref, xs_ref, ws_ref, o_ref, acc_ref):
+def _tpu_kernel(x_ref, w_ref, xs_ref, ws_ref, o_ref, acc_ref, *, mxu_dtype):
   k = pl.program_id(2)
 
   @pl.when(k == 0)
   def _():
     acc_ref[...] = jnp.zeros_like(acc_ref)
 
-  acc_ref[...] += _block_dot(x_ref[...], w_ref[...], acc_ref.dtype)
+  x, w = x_ref[...], w_ref[...]
+  if mxu_dtype is not None:  # 8-bit codes this chip's MXU does not take: exact in bf16
+    x, w = x.astype(mxu_dtype), w.astype(mxu_dtype)
+  acc_ref[...] += _block_dot(x, w, acc_ref.dtype)
 
   @pl.when(k == pl.num_programs(2) - 1)
   def _():
@@ -124,6 +129,24 @@ def auto_split_k(m: int, n: int, k: int, block: tuple[int, int, int]) -> int:
   return split
 
 
+def _tpu_mxu_dtype(x_dtype, w_dtype):
+  """None where the TPU being compiled for multiplies (x_dtype, w_dtype) blocks natively, else
+  bfloat16, which holds every int8 and fp8 code exactly: TPU v4's MXU takes no 8-bit
+  activations and no fp8 (libtpu refuses the kernel, "CompileTimeMosaicUnsupportedRhsType"), and
+  v5e / v5p / v6e take no e4m3fn. Then the blocks are upcast in VMEM, the weights still read from
+  HBM as 8 bits, and an int8 x int8 product accumulates in float32 (exact while a row's partial
+  sums stay below 2**24). None also where no TPU is in view (interpret mode on a CPU)."""
+  from jax.experimental.pallas import tpu as pltpu
+
+  if jnp.issubdtype(x_dtype, jnp.floating) and jnp.dtype(x_dtype).itemsize > 1:
+    return None  # W8A16: _block_dot already multiplies in the activations' float dtype
+  try:
+    info = pltpu.get_tpu_info()
+  except ValueError:  # not a TPU (the Pallas interpreter on a CPU)
+    return None
+  return None if info.is_matmul_supported(x_dtype, w_dtype) else jnp.bfloat16
+
+
 def _pad(a, rows: int, cols: int):
   r, c = -a.shape[0] % rows, -a.shape[1] % cols
   return a if not (r or c) else jnp.pad(a, ((0, r), (0, c)))
@@ -148,6 +171,9 @@ def _pallas(x, w, w_scale, x_scale, *, impl, block, interpret, launch=None, spli
   if impl == "pallas_tpu":
     from jax.experimental.pallas import tpu as pltpu
 
+    mxu_dtype = _tpu_mxu_dtype(x.dtype, w.dtype)
+    if mxu_dtype is not None:
+      acc = jnp.float32
     grid_spec = pltpu.PrefetchScalarGridSpec(
       num_scalar_prefetch=0,
       grid=(mp // bm, np_ // bn, kp // bk),
@@ -161,7 +187,7 @@ def _pallas(x, w, w_scale, x_scale, *, impl, block, interpret, launch=None, spli
       scratch_shapes=[pltpu.VMEM((bm, bn), acc)],
     )
     y = pl.pallas_call(
-      _tpu_kernel,
+      functools.partial(_tpu_kernel, mxu_dtype=mxu_dtype),
       grid_spec=grid_spec,
       out_shape=out_shape,
       compiler_params=pltpu.CompilerParams(

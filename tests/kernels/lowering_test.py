@@ -3,8 +3,9 @@ with `platforms=("tpu",)` / `("cuda",)`: Pallas's Mosaic TPU and Triton lowering
 so their checks (block shapes against Mosaic's (8, 128) tiling, the dtypes and ops each backend
 takes, the Mosaic dialect's verifier, a Mosaic GPU kernel's shared memory) hold or fail here,
 where the interpret-mode tests (which run the kernels' math) never reach them. What this does not
-cover is the backend compiler behind the custom call (Mosaic's layout passes in libtpu, Triton's
-PTX): that needs the device (`bench/device_kernels.py`).
+cover is the backend compiler behind the custom call: libtpu's (Mosaic's layout passes and
+XLA:TPU, run on this CPU by `tpu_compile_test.py`) and Triton's PTX (the device's part,
+`bench/device_kernels.py`).
 
 Each case asserts that the lowered module holds exactly the expected number of that backend's
 kernel calls: the dispatch took the kernel, not a reference fallback. The last tests lower the

@@ -1,0 +1,115 @@
+"""The Pallas TPU kernels and the engine's programs compiled by libtpu for real TPU generations,
+on this CPU-only machine (ahead-of-time, for a described topology; nothing runs).
+
+`lowering_test.py` stops where Pallas hands a Mosaic kernel to the backend. Here libtpu's XLA:TPU
+compiler (the `libtpu` wheel that `jax[tpu]` pins, installed beside the venv by launch/test.sh)
+takes every program the whole way: each kernel is compiled for the generation's VMEM budget,
+tiling and layouts. The generations: v4, v5e, v5p and v6e (the engine's programs: v5e, v5p,
+v6e). Each case must compile and hold exactly its Mosaic kernel calls; the control case (blocks
+of 2048^3, which lower fine) must be refused for VMEM on every generation, or the compile checks
+nothing.
+
+Each topology runs in a child process (`tpu_aot.py`) with libtpu on its path and JAX_PLATFORMS=cpu:
+libtpu stays out of this session's jax, which runs on CPU devices.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+LIBTPU_DIR = Path(os.environ.get("JAXRL_LIBTPU_DIR", ROOT / ".venv" / "libtpu"))
+KERNEL_TOPOLOGIES = ["v4:2x2x1", "v5e:2x2", "v5p:2x2x1", "v6e:2x2"]
+# (v4's topology lists each chip's two TensorCores apart, and jax.make_mesh builds TPU meshes of
+# whole chips only: its kernels are compiled above, its engine programs not.)
+ENGINE_TOPOLOGIES = ["v5e:2x2", "v5p:2x2x1", "v6e:2x2"]
+
+
+def _libtpu_dir() -> Path:
+  if (LIBTPU_DIR / "libtpu").is_dir():
+    return LIBTPU_DIR
+  message = (
+    f"libtpu is not installed at {LIBTPU_DIR}: launch/test.sh installs the version jax[tpu] pins "
+    "there (pip install --target); JAXRL_LIBTPU_DIR names another directory"
+  )
+  if os.environ.get("JAXRL_REQUIRE_LIBTPU") == "1":  # launch/test.sh (and so CI) sets it
+    pytest.fail(message)
+  pytest.skip(message)
+
+
+def _compile(what: str, topology: str) -> tuple[dict, dict[str, dict]]:
+  # ALLOW_MULTIPLE_LIBTPU_LOAD: libtpu otherwise takes a machine-wide lock, and the pytest workers
+  # compile for several topologies at once.
+  env = dict(os.environ, JAX_PLATFORMS="cpu", ALLOW_MULTIPLE_LIBTPU_LOAD="1")
+  env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(_libtpu_dir()), env.get("PYTHONPATH")]))
+  env.pop("JAX_COMPILATION_CACHE_DIR", None)
+  run = subprocess.run(
+    [sys.executable, str(HERE / "tpu_aot.py"), what, topology],
+    capture_output=True,
+    text=True,
+    env=env,
+    timeout=900,
+  )
+  lines = [json.loads(ln) for ln in run.stdout.splitlines() if ln.startswith("{")]
+  assert run.returncode == 0 and lines, run.stderr[-4000:]
+  head = lines[0]
+  for line in lines[1:]:
+    if "case" not in line:
+      head.update(line)
+  return head, {r["case"]: r for r in lines[1:] if "case" in r}
+
+
+# The 8-bit codes each generation's MXU does not take (upcast to bf16 in VMEM by the quantized
+# matmul): the table the kernel reads from the chip it compiles for.
+MXU_UPCAST = {
+  "v4": {"int8": "bfloat16", "float8_e4m3fn": "bfloat16", "float8_e5m2": "bfloat16"},
+  "v5e": {"int8": None, "float8_e4m3fn": "bfloat16", "float8_e5m2": None},
+  "v5p": {"int8": None, "float8_e4m3fn": "bfloat16", "float8_e5m2": None},
+  "v6e": {"int8": None, "float8_e4m3fn": "bfloat16", "float8_e5m2": None},
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("topology", KERNEL_TOPOLOGIES)
+def test_every_tpu_kernel_compiles_with_libtpu(topology):
+  head, cases = _compile("kernels", topology)
+  assert head["device_kind"].startswith("TPU v" + topology[1])
+  # On v4 the W8A8 kernels compile only through the upcast (without it libtpu refuses them:
+  # "CompileTimeMosaicUnsupportedRhsType"); elsewhere int8 stays on the MXU as int8.
+  assert head["mxu_upcast"] == MXU_UPCAST[topology.split(":")[0]]
+  control = cases.pop("CONTROL quant_matmul 2048^3 block")
+  assert not control["ok"] and "vmem" in control["error"].lower(), control
+  failed = {c: r["error"][:400] for c, r in cases.items() if not r["ok"]}
+  assert not failed, failed
+  # 12 quantized-matmul variants, 2 at an 8B model's shapes, a gradient; 3 grouped matmuls and a
+  # gradient; 5 paged attentions: each compiled program holds exactly one Mosaic kernel, ours,
+  # but the grouped matmul's gradient: its backward is ragged_dot's (the custom VJP's reference),
+  # and XLA:TPU compiles each of the two ragged_dots of that backward to a Mosaic kernel of its own.
+  assert len(cases) == 24
+  calls = {c: r["calls"] for c, r in cases.items()}
+  assert calls.pop("grouped_matmul value_and_grad") == 3
+  assert {c: n for c, n in calls.items() if n != 1} == {}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("topology", ENGINE_TOPOLOGIES)
+def test_the_engines_programs_compile_with_every_tpu_kernel(topology):
+  # Two layers: 7 quantized projections each (or 4 and 3 expert matmuls), one paged attention per
+  # layer in decode; the insert has none. On the mesh (the topology's 4 chips, fsdp 2 x tensor 2)
+  # each kernel runs in its shard_map.
+  _, cases = _compile("engine", topology)
+  failed = {c: r["error"][:600] for c, r in cases.items() if not r["ok"]}
+  assert not failed, failed
+  want = {"_prefill_jit": 14, "_insert_jit": 0, "_generate_steps_jit": 16}
+  expected = {
+    f"{model} {where} {name}": calls
+    for model in ("dense", "moe")
+    for where in ("one chip", "mesh")
+    for name, calls in want.items()
+  }
+  assert {c: r["calls"] for c, r in cases.items()} == expected
