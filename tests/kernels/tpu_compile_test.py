@@ -113,3 +113,27 @@ def test_the_engines_programs_compile_with_every_tpu_kernel(topology):
     for name, calls in want.items()
   }
   assert {c: r["calls"] for c, r in cases.items()} == expected
+
+
+@pytest.mark.slow
+def test_a_grpo_train_step_and_the_engines_decode_compile_for_a_tpu_slice(tmp_path):
+  # bench/tpu_aot.py, which compiles a preset's whole GRPO update (loss, backward, AdamW over
+  # fsdp-sharded params and moments) and its fp8 decode for a pod slice, on the tiny model and a
+  # v5e 2 x 2 slice (fsdp 2 x tensor 2): both build, and the memory report adds up.
+  _libtpu_dir()
+  out = tmp_path / "aot.json"
+  cmd = [sys.executable, str(ROOT / "bench" / "tpu_aot.py"), "--preset=tiny", "--topology=v5e:2x2"]
+  cmd += ["--fsdp=2", "--tensor=2", "--batch=8", "--seq=32", "--slots=4", f"--out={out}"]
+  run = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+  assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
+  (report,) = json.loads(out.read_text())["runs"]
+  result = report["result"]
+  assert result["chips"] == 4 and result["mesh"] == {"data": 1, "fsdp": 2, "tensor": 2}
+  assert result["decode"]["mosaic_kernels"] == 2 * 8  # 7 quantized projections + paged attention
+  for program in ("train", "decode"):
+    mem = result[program]["memory_gib"]
+    assert 0 < mem["argument"] and 0 <= mem["alias"] <= mem["output"]
+    assert mem["peak_estimate"] == pytest.approx(
+      mem["argument"] + mem["output"] - mem["alias"] + mem["temp"]
+    )
+    assert mem["peak_estimate"] < mem["hbm"] == pytest.approx(16, abs=0.1)  # a v5e chip's 16 GiB
