@@ -15,8 +15,9 @@ minute and only checks that everything moves.
 Its table row was measured before grpo_arith's warm-start recipe changed (then: lr 3e-3, 64
 problems x 900 steps; one seed), and rl.steps stays at the 250 those runs used. On the current
 recipe the same two changes to grpo_arith (its 200 RL steps) were re-measured over seeds 0-4 on
-XLA's AVX2 path: +0.000 [-0.010, +0.011] held-out accuracy against float32, paired by seed
-(docs/results.md, "int8 + TIS over five seeds").
+both of XLA's ISA paths: held-out accuracy against float32, paired by seed, +0.000 [-0.010,
++0.011] (AVX2 path) and +0.005 [-0.011, +0.020] (native AVX-512 path) (docs/results.md, "int8 +
+TIS over five seeds").
 """
 
 from pathlib import Path
