@@ -7,13 +7,16 @@ flags in force and the package versions it was measured with.
 
 from __future__ import annotations
 
+import datetime
 import importlib.metadata
+import json
 import os
 import platform
 import statistics
 import subprocess
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 from jaxrl.models.config import ModelConfig
 
@@ -92,6 +95,24 @@ def versions(packages=("jax", "jaxlib", "flax", "torch", "transformers")) -> dic
     except importlib.metadata.PackageNotFoundError:
       out[pkg] = None
   return out
+
+
+def write_report(out: Path, benchmark: str, settings: dict, results, **extra) -> dict:
+  """Write a benchmark's JSON (name, UTC date, `machine()`, jax/jaxlib/flax `versions()`, its
+  settings and results, and any `extra` keys) to `out`; returns it."""
+  report = {
+    "benchmark": benchmark,
+    "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+    "machine": machine(),
+    "versions": versions(("jax", "jaxlib", "flax")),
+    "settings": settings,
+    "results": results,
+    **extra,
+  }
+  out.parent.mkdir(parents=True, exist_ok=True)
+  out.write_text(json.dumps(report, indent=2) + "\n")
+  print(f"wrote {out}")
+  return report
 
 
 def median_seconds(f: Callable, *args, reps: int) -> float:

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import datetime
 import glob
 import gzip
 import json
@@ -163,7 +162,7 @@ def main(argv=None) -> dict:
     print("RESULT " + json.dumps(child(args)))
     return {}
   sys.path.insert(0, str(BENCH_DIR))
-  from _common import MODELS, machine, versions
+  from _common import MODELS, write_report
 
   models, peers = args.models.split(","), args.peers.split(",")
   bad = [m for m in models if m not in MODELS] + [p for p in peers if p not in PEERS]
@@ -189,18 +188,8 @@ def main(argv=None) -> dict:
     )
     for b in BUCKETS:
       print(f"  {b:18} {r['op_ms_per_step'][b]:6.2f} ms/step  ({r['ops'][b]} ops)")
-  report = {
-    "benchmark": "decode_breakdown",
-    "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-    "machine": machine(),
-    "versions": versions(("jax", "jaxlib", "flax")),
-    "settings": {"batch": 16, "prompt_len": 16, "new_tokens": args.new_tokens, "reps": args.reps},
-    "results": results,
-  }
-  args.out.parent.mkdir(parents=True, exist_ok=True)
-  args.out.write_text(json.dumps(report, indent=2) + "\n")
-  print(f"wrote {args.out}")
-  return report
+  settings = {"batch": 16, "prompt_len": 16, "new_tokens": args.new_tokens, "reps": args.reps}
+  return write_report(args.out, "decode_breakdown", settings, results)
 
 
 if __name__ == "__main__":
