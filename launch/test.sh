@@ -7,7 +7,7 @@ cd "$ROOT"
 # libtpu, the version jax[tpu] pins, beside the venv (never imported by it): the TPU compile
 # tests (tests/kernels/tpu_compile_test.py) hand it to child processes to compile the Pallas
 # TPU kernels for real TPU generations on this CPU.
-export JAXRL_LIBTPU_DIR="$ROOT/.venv/libtpu" JAXRL_REQUIRE_LIBTPU=1
+export JAXRL_LIBTPU_DIR="$ROOT/.venv/libtpu"
 libtpu_spec="$(python - <<'PY'
 import importlib.metadata as md
 print(next(r.split(";")[0].replace(" ", "") for r in md.requires("jax") if r.startswith("libtpu") and 'extra == "tpu"' in r))
