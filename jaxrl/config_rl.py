@@ -154,8 +154,9 @@ class PlacementConfig:
     lo=0.0,
     hi=1.0,
     lo_open=True,
-    help="split: the share of the devices given to the sampler (at least one each side); "
-    "the learner's sub-mesh takes config.mesh's sizes over the rest",
+    help="split: the share of the devices given to the sampler (at least one each side; "
+    "with several processes, of each process's devices); the learner's sub-mesh takes "
+    "config.mesh's sizes over the rest",
   )
   max_staleness: int = _field(
     0,

@@ -10,6 +10,8 @@ clusters use; no scheduler of our own).
   put_process_local(tree, sharding, rows)              one global array per leaf from each
                                                        process's own rows: no process holds, or
                                                        reads, another's share of a batch
+  put(tree, shardings)                                 device_put with no cross-process check
+                                                       program (each process fills its shards)
   to_host(tree)                                        numpy copies of global arrays, gathered
                                                        from every process where they are split
   share(n)                                             this process's contiguous part of n items
@@ -17,10 +19,10 @@ clusters use; no scheduler of our own).
   gather_shares(fn, n)                                 fn over this process's share of n items;
                                                        every share's result, in process order
 
-Params built the same way on every process (same seed) go to the mesh with a plain
-`jax.device_put` onto their global shardings (`jaxrl.mesh.shard_params`): each process fills its
-own devices' shards. An HF checkpoint (`jaxrl.models.hf.load_hf_checkpoint` with a mesh) is read
-block by block: each process reads only its devices' rows and columns of each tensor. The
+Params built the same way on every process (same seed) go to the mesh with `put` onto their
+global shardings (`jaxrl.mesh.shard_params`): each process fills its own devices' shards. An
+HF checkpoint (`jaxrl.models.hf.load_hf_checkpoint` with a mesh) is read block by block: each
+process reads only its devices' rows and columns of each tensor. The
 learner's train step (`jaxrl.rl.train_step`) is one jitted program over the global mesh and
 needs nothing else: `tests/multihost_test.py` runs both in two processes of two CPU devices
 each and gets the params, losses and updates of one process with four.
@@ -38,10 +40,17 @@ processes that hold them, and only process 0 writes metrics. The same test runs 
 job's smoke in two processes and logs what one process logs, each process having read and
 scored half of the records; stopped after an RL step and resumed, it repeats the uninterrupted
 run. A file-backed task reads only its share of each batch's lines or row groups
-(`jaxrl.data.jsonl`). Not yet: the split placement is refused with several processes. Its
-sampler thread would run collectives beside the learner's, and on CPU gloo hangs when two
-threads run collectives at once (even over disjoint devices, tried 2026-12-05), while jax 0.10's
-`device_put` refuses the push's cross-process move between disjoint device sets.
+(`jaxrl.data.jsonl`). The split placement runs too: each process gives a share of its own
+devices to each side, the learner's sub-mesh spans the processes and each process's sampler is
+an engine over its own devices, sampling its share of the prompts (`jaxrl.rl.placement`); the
+same test runs it in two processes and logs what one process logs.
+
+Exchanges of host objects (`allgather_objects`) go through the coordinator's key-value store,
+not through a program on the devices, and host arrays reach a sharding spanning processes with
+`put`, not `jax.device_put` (which checks with a program over every device that the processes
+agree): on CPU, a program over every device whose collectives overlap those of a sub-mesh's
+program still running makes gloo abort, and the split placement leaves the learner's update
+running while the host samples.
 
 On CPU the processes exchange data through gloo (`jax_cpu_collectives_implementation`), which
 `initialize` selects; GPUs and TPUs use their own collectives.
@@ -49,6 +58,7 @@ On CPU the processes exchange data through gloo (`jax_cpu_collectives_implementa
 
 from __future__ import annotations
 
+import itertools
 import os
 import pickle
 from collections.abc import Callable
@@ -155,6 +165,32 @@ def put_process_local(tree: Any, sharding: Sharding, rows: int) -> Any:
   return jax.tree.map(put, tree)
 
 
+def put(tree: Any, shardings: Any) -> Any:
+  """`jax.device_put(tree, shardings)`, except that a host value (or an uncommitted array)
+  going to a sharding that spans several processes is placed shard by shard
+  (`jax.make_array_from_callback`): each process fills its own devices from its own copy, which
+  must be the same in every process, and no program runs. device_put would first check that
+  every process passed the same value, with a program over every device of the run; beside a
+  program of a sub-mesh that is still running (the split placement's learner, while the host
+  samples), the two programs' collectives collide on CPU (gloo aborts)."""
+  if jax.process_count() == 1:
+    return jax.device_put(tree, shardings)
+
+  def one(x, s):
+    if (
+      isinstance(s, Sharding)
+      and not s.is_fully_addressable
+      and not (isinstance(x, jax.Array) and x.committed)
+    ):
+      host = x if isinstance(x, jax.Array) else np.asarray(x)
+      return jax.make_array_from_callback(host.shape, s, lambda idx: host[idx])
+    return jax.device_put(x, s)
+
+  if isinstance(shardings, Sharding):
+    return jax.tree.map(lambda x: one(x, shardings), tree)
+  return jax.tree.map(one, tree, shardings)
+
+
 def to_host(tree: Any) -> Any:
   """numpy copies of the leaves: an array whose shards all live in this process is read
   directly; one split across processes is gathered from all of them (every process must call
@@ -180,21 +216,52 @@ def share(n: int, process: int | None = None, count: int | None = None) -> range
   return range(start, start + size + (process < extra))
 
 
+EXCHANGE_TIMEOUT_S = 3600  # how long a process waits for another's part of an exchange
+_CHUNK = 1 << 20  # bytes per key-value entry (well under gRPC's message limits)
+_exchanges = itertools.count()  # every process makes the same exchanges in the same order
+
+
 def allgather_objects(obj: Any) -> list:
   """Every process's `obj` (anything picklable), in process order; every process must call
-  this together. One process: [obj]. The bytes travel as a uint8 array padded to a power of two
-  (so a run compiles the exchange for a handful of sizes, not one per message)."""
+  this together. One process: [obj]. The bytes go through the coordination service's
+  key-value store (jax.distributed's coordinator), not through a program on the devices: an
+  exchange then never runs a collective beside one the devices are running (on CPU, gloo
+  fails when two programs' collectives between the same processes overlap, which a split
+  placement's learner and sampler would otherwise do), and it needs no compile. Each part is
+  stored in chunks of at most 1 MiB; a process deletes its part of an exchange at its next one,
+  when every process has read it."""
   if jax.process_count() == 1:
     return [obj]
-  from jax.experimental import multihost_utils
+  from jax._src import distributed as jax_distributed
 
-  data = np.frombuffer(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), np.uint8)
-  sizes = np.asarray(multihost_utils.process_allgather(np.asarray([data.size], np.int64)))
-  width = 1 << max(10, int(sizes.max() - 1).bit_length())
-  padded = np.zeros(width, np.uint8)
-  padded[: data.size] = data
-  every = np.asarray(multihost_utils.process_allgather(padded))
-  return [pickle.loads(every[i, : int(n)].tobytes()) for i, n in enumerate(sizes.reshape(-1))]
+  client = jax_distributed.global_state.client
+  n, me = next(_exchanges), jax.process_index()
+  data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+  chunks = [data[i : i + _CHUNK] for i in range(0, len(data), _CHUNK)] or [b""]
+  for k, chunk in enumerate(chunks):
+    client.key_value_set_bytes(f"jaxrl/exchange/{n}/{me}/{k}", chunk)
+  client.key_value_set(f"jaxrl/exchange/{n}/{me}/chunks", str(len(chunks)))
+  every = []
+  for i in range(jax.process_count()):
+    try:
+      count = int(client.blocking_key_value_get(f"jaxrl/exchange/{n}/{i}/chunks", _ms()))
+      part = b"".join(
+        client.blocking_key_value_get_bytes(f"jaxrl/exchange/{n}/{i}/{k}", _ms())
+        for k in range(count)
+      )
+    except Exception as e:
+      raise RuntimeError(
+        f"process {me}: process {i} sent nothing to exchange {n} for {EXCHANGE_TIMEOUT_S} s "
+        f"(it failed, or it is not making the same exchanges): {e}"
+      ) from e
+    every.append(pickle.loads(part))
+  if n > 0:  # every process has finished exchange n - 1: it posted to this one
+    client.key_value_delete(f"jaxrl/exchange/{n - 1}/{me}")
+  return every
+
+
+def _ms() -> int:
+  return EXCHANGE_TIMEOUT_S * 1000
 
 
 def gather_shares(fn: Callable[[range], Any], n: int) -> list:

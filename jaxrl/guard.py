@@ -15,6 +15,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxrl import distributed
+
 
 class NonFiniteError(RuntimeError):
   """Training produced non-finite numbers too many updates in a row; the run stopped."""
@@ -65,7 +67,7 @@ class NonFiniteGuard:
   def update(self, flag) -> None:
     flag = jnp.asarray(flag, jnp.float32)
     if isinstance(self._counts, np.ndarray):  # placed where the flags live, once, explicitly
-      self._counts = jax.device_put(self._counts, flag.sharding)
+      self._counts = distributed.put(self._counts, flag.sharding)
     self._counts = _fold(self._counts, flag)
 
   def check(self, step: int) -> int:

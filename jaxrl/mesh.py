@@ -14,6 +14,8 @@ from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxrl import distributed
+
 MESH_AXES = ("data", "fsdp", "tensor")
 # A mesh built with expert > 1 has a fourth axis, "expert" (between fsdp and tensor): MoE expert
 # weights split over it and tokens are exchanged over it (expert parallelism,
@@ -147,8 +149,24 @@ def make_mesh(
 
 def split_devices(devices: Sequence[Any], sampler_fraction: float) -> tuple[list, list]:
   """(learner devices, sampler devices): the last round(sampler_fraction * n) devices (at least
-  one, at most n - 1) go to the sampler, so each side's devices are contiguous."""
+  one, at most n - 1) go to the sampler, so each side's devices are contiguous. Devices of
+  several processes (a multi-process run) are split process by process, each process giving
+  the same share of its own devices to each side, so both sub-meshes span every process (each
+  process drives its part of both, and the push never leaves a process: jaxrl.rl.placement)."""
   devices = list(devices)
+  hosts: dict[int, list] = {}
+  for d in devices:
+    hosts.setdefault(getattr(d, "process_index", 0), []).append(d)
+  if len(hosts) > 1:
+    sizes = {len(h) for h in hosts.values()}
+    if len(sizes) > 1 or min(sizes) < 2:
+      shown = ", ".join(f"process {p}: {len(h)}" for p, h in sorted(hosts.items()))
+      raise ValueError(
+        "rl.placement.kind='split' with several processes needs the same number of devices, "
+        f"at least 2, on every process (one per side on each); there are {shown}"
+      )
+    parts = [split_devices(hosts[p], sampler_fraction) for p in sorted(hosts)]
+    return [d for lrn, _ in parts for d in lrn], [d for _, smp in parts for d in smp]
   n = len(devices)
   if n < 2:
     raise ValueError(
@@ -275,7 +293,7 @@ def param_shardings(params: Any, mesh: Mesh, rules: Rules | str) -> Any:
 
 def shard_params(params: Any, mesh: Mesh, rules: Rules | str) -> Any:
   """Places params on the mesh by their logical axes; returns the same pytree type."""
-  return jax.device_put(params, param_shardings(params, mesh, rules))
+  return distributed.put(params, param_shardings(params, mesh, rules))
 
 
 def describe_shardings(params: Any, mesh: Mesh, rules: Rules | str) -> list[str]:

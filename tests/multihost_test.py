@@ -4,7 +4,10 @@ the updates equal one process's with four devices; each process supplied only it
 load an HF checkpoint onto that mesh first: each process reads only its devices' blocks of the
 weights, and the params are those one process loads. Then both run the default job's smoke
 (SFT, RL, evaluation, checkpoints) in one workdir and log what one process logs, each having
-made half of the training records and scored half of the completions."""
+made half of the training records and scored half of the completions. The same job with the
+split placement: each process gives one device to the learner's sub-mesh (across both) and one
+to its own engine, which samples its half of every batch's prompts, and the two processes log
+what one process with two devices a side logs, stopped and resumed included."""
 
 import json
 import os
@@ -232,13 +235,72 @@ def test_a_resumed_two_process_run_repeats_the_uninterrupted_one(runs):
     assert summary["run_resumed"][key] == summary["run"][key], key
 
 
+def _metrics(path: Path) -> list[dict]:
+  return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+# Each process's engine makes its own prefill and decode calls for its half of the prompts: these
+# counters are summed over the engines, so they differ from one engine's over all of them.
+ENGINE_CALLS = ("rollout/prefill_calls", "rollout/generate_calls", "rollout/decode_steps")
+
+
+def test_a_split_placement_over_two_processes_takes_the_steps_of_one(runs):
+  (one,), two = runs
+  # One process: 2 learner and 2 sampler devices. Two: each gives one device to each side.
+  assert one["split_run"] == {
+    "learner": {"processes": [0], "local": 2},
+    "sampler": {"processes": [0], "local": 2},
+    "lockstep": False,
+  }
+  for i, p in enumerate(two):
+    assert p["split_run"]["learner"] == {"processes": [0, 1], "local": 1}
+    assert p["split_run"]["sampler"] == {"processes": [i], "local": 1}  # its own engine
+    assert p["split_run"]["lockstep"] is True
+  assert two[0]["split_run"]["partial_error"] == (
+    "config.rl.partial.enabled=True is not supported with rl.placement.kind='split' over 2 "
+    "processes (each process's engine would hold its own groups in flight); allowed there: "
+    "rl.placement.kind='colocated'"
+  )
+  base = Path(one["out"]).parent
+  a = _metrics(base / "one" / "run_split" / "metrics.jsonl")
+  b = _metrics(base / "two" / "run_split" / "metrics.jsonl")
+  assert [(r["phase"], r["step"]) for r in b] == [(r["phase"], r["step"]) for r in a]
+  rl = [r for r in b if r["phase"] == "rl"]
+  assert len(rl) == 3 and [r["async/staleness_max"] for r in rl] == [0.0, 1.0, 1.0]
+  # Lockstep: the host's sampling during the update and its wait after, not the learner's
+  # busy share (its device time is not seen from the host).
+  lockstep = {"time/sample_ahead_s", "time/update_wait_s"}
+  assert all(lockstep <= r.keys() and "time/learner_busy_frac" not in r for r in rl)
+  checked = 0
+  for x, y in zip(a, b, strict=True):
+    assert x.keys() - {"time/learner_busy_frac"} == y.keys() - lockstep
+    for key, want in x.items():
+      if key.startswith("time/") or key in ENGINE_CALLS or not isinstance(want, float):
+        continue
+      np.testing.assert_allclose(y[key], want, rtol=1e-5, atol=1e-6, err_msg=key)
+      checked += 1
+    for key in ENGINE_CALLS:  # both engines worked: more calls than one engine's, never fewer
+      if key in x:
+        assert y[key] >= x[key] > 0, key
+  assert checked > 60
+  assert all(r["opt/grad_norm"] > 0 for r in rl)
+
+
+def test_a_resumed_split_placement_over_two_processes_repeats_the_uninterrupted_one(runs):
+  (one,), _ = runs
+  base = Path(one["out"]).parent / "two"
+  full, resumed = (_metrics(base / n / "metrics.jsonl") for n in ("run_split", "run_split_resumed"))
+  assert [(r["phase"], r["step"]) for r in resumed] == [(r["phase"], r["step"]) for r in full]
+  for a, b in zip(full, resumed, strict=True):
+    assert {k: v for k, v in a.items() if not k.startswith("time/")} == {
+      k: v for k, v in b.items() if not k.startswith("time/")
+    }, a["step"]
+
+
 def test_each_process_reads_and_scores_only_its_share(runs):
   (one,), two = runs
   whole = one["work"]
   assert whole["records"] > 0 and whole["scored"] > 0
-  assert two[0]["work"]["split_error"] == (
-    "config.rl.placement.kind='split' is not supported with 2 processes; allowed there: 'colocated'"
-  )
   for key in ("records", "scored"):
     # Every batch (SFT's, RL's prompts; RL's and evaluation's completions) has an even size:
     # each process did exactly half of one process's work, and they did it all between them.

@@ -5,7 +5,9 @@ first load that HF checkpoint onto the same mesh, counting what this process rea
 --trainer, then run the default job's `:smoke` (4 SFT steps, 2 RL steps with an entropy bonus,
 so every step has a gradient) in that workdir, every process in the same one, counting the
 training records this process made and the completions it scored; with several processes, the
-same job again in WORKDIR_resumed, stopped after one RL step and resumed. With --jsonl, first
+same job again in WORKDIR_resumed, stopped after one RL step and resumed; then the same job with
+the split placement in WORKDIR_split (and, with several processes, WORKDIR_split_resumed,
+stopped and resumed). With --jsonl, first
 index DIR/good.jsonl as a JSONL task and read batches and held-out records from it, noting which
 bytes this process scanned and how many records it read, then index DIR/bad.jsonl (one bad line);
 then the same for DIR/good.parquet and DIR/bad.parquet, noting which row groups it read.
@@ -104,6 +106,9 @@ def main() -> None:
   work = _trainer(args.trainer) if args.trainer else None
   if args.trainer and jax.process_count() > 1:  # the same job, preempted after 1 RL step
     _trainer(args.trainer + "_resumed", until=1)
+  split_run = _split(args.trainer + "_split") if args.trainer else None
+  if args.trainer and jax.process_count() > 1:  # and the split one, preempted after 1 RL step
+    _split(args.trainer + "_split_resumed", until=1)
   shares = distributed.gather_shares(lambda rows: [(jax.process_index(), i) for i in rows], 5)
   try:  # process 1 fails on its share: every process must raise, none wait forever
     distributed.gather_shares(lambda rows: [1 / (jax.process_index() != 1)], 5)
@@ -126,6 +131,7 @@ def main() -> None:
     "jsonl": files,
     "parquet": tables,
     "work": work,
+    "split_run": split_run,
     "shares": shares,
     "failure": failure,
   }))  # fmt: skip
@@ -237,13 +243,11 @@ def _trainer(workdir: str, until: int | None = None) -> dict:
   """Run the smoke job (`until`: stop RL after that many steps, as a preemption would, then
   resume it in a new Trainer); how many training records this process made (SFT's and RL's
   prompt batches) and how many completions it scored (RL's and evaluation's)."""
-  import jax
 
   from jaxrl import rewards
-  from jaxrl.config import ConfigError, config_module, validate
+  from jaxrl.config import config_module, validate
   from jaxrl.data.arithmetic import ArithmeticTask
   from jaxrl.rl.loop import Trainer
-  from jaxrl.rl.run import Run
 
   counts = {"records": 0, "scored": 0}
   sample, compute = ArithmeticTask.sample, rewards.compute_rewards
@@ -259,13 +263,6 @@ def _trainer(workdir: str, until: int | None = None) -> dict:
   ArithmeticTask.sample, rewards.compute_rewards = counting_sample, counting_compute
   c = config_module(Path(__file__).resolve().parent.parent / "configs" / "grpo_arith.py")
   c = c.get_config("smoke")
-  if jax.process_count() > 1:  # the split placement is refused with several processes
-    split = c.copy_and_resolve_references()
-    split.rl.placement.kind, split.workdir = "split", workdir + "_split"
-    try:
-      Run.build(validate(split))
-    except ConfigError as e:
-      counts["split_error"] = str(e)
   c.workdir, c.sft.steps, c.rl.steps, c.rl.loss.entropy_coef = workdir, 4, 2, 0.01
   try:
     for stop in [until, None] if until else [None]:
@@ -277,6 +274,46 @@ def _trainer(workdir: str, until: int | None = None) -> dict:
   finally:
     ArithmeticTask.sample, rewards.compute_rewards = sample, compute
   return counts
+
+
+def _split(workdir: str, until: int | None = None) -> dict:
+  """The smoke job with the split placement (max_staleness 1, 3 RL steps; `until` as in
+  `_trainer`): which processes' devices each sub-mesh holds, and how many of this process's
+  devices each side has."""
+  import jax
+
+  from jaxrl.config import config_module, validate
+  from jaxrl.rl.loop import Trainer
+
+  c = config_module(Path(__file__).resolve().parent.parent / "configs" / "grpo_arith.py")
+  c = c.get_config("smoke")
+  c.workdir, c.sft.steps, c.rl.steps, c.rl.loss.entropy_coef = workdir, 4, 3, 0.01
+  c.rl.placement.kind, c.rl.placement.max_staleness = "split", 1
+  seen = {}
+  if jax.process_count() > 1 and until is None:  # groups in flight per engine: refused
+    from jaxrl.config import ConfigError
+    from jaxrl.rl.run import Run
+
+    partial = c.copy_and_resolve_references()
+    partial.rl.partial.enabled, partial.workdir = True, workdir + "_partial"
+    try:
+      Run.build(validate(partial))
+    except ConfigError as e:
+      seen["partial_error"] = str(e)
+  for stop in [until, None] if until else [None]:
+    trainer = Trainer(validate(c))
+    try:
+      for side, mesh in (("learner", trainer.ctx.mesh), ("sampler", trainer.ctx.sampler_mesh)):
+        devices = list(mesh.devices.flat)
+        seen[side] = {
+          "processes": sorted({d.process_index for d in devices}),
+          "local": sum(d.process_index == jax.process_index() for d in devices),
+        }
+      seen["lockstep"] = trainer.pipeline.lockstep
+      trainer.run(stop)
+    finally:
+      trainer.close()
+  return seen
 
 
 if __name__ == "__main__":

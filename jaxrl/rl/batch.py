@@ -109,7 +109,7 @@ def put_like(x, like) -> jax.Array:
   the mesh): an explicit transfer, so jitted code that mixes them moves nothing implicitly."""
   sharding = getattr(like, "sharding", None)
   if isinstance(sharding, NamedSharding):
-    return jax.device_put(x, NamedSharding(sharding.mesh, PartitionSpec()))
+    return distributed.put(x, NamedSharding(sharding.mesh, PartitionSpec()))
   return jax.device_put(x)
 
 

@@ -44,7 +44,7 @@ from jaxrl.rl import components
 from jaxrl.rl.evaluation import Evaluator
 from jaxrl.rl.experience import Experience, build_sampler
 from jaxrl.rl.learner import Learner, LearnerState
-from jaxrl.rl.placement import RolloutPipeline
+from jaxrl.rl.placement import ProcessShare, RolloutPipeline
 from jaxrl.rl.run import Run, abstract, restore_params
 from jaxrl.rl.sft import SFTPhase
 from jaxrl.rl.teacher import Teacher
@@ -102,6 +102,8 @@ class Trainer:
       )
     self.learner = Learner(run, temperature=temperature, teacher=self.teacher)
     rounds = self.sampler if run.sampler_mesh is None else build_sampler(run, run.sampler_mesh)
+    if run.sampler_mesh is not None and jax.process_count() > 1:
+      rounds = ProcessShare(rounds)  # each process's engine samples its share of the prompts
     self.experience = Experience(run, rounds, critic=self.learner.critic, teacher=self.teacher)
     self.pipeline = RolloutPipeline(run, self.experience, steps=cfg.rl.steps)
     self.rl_ckpt = run.checkpointer("rl")

@@ -14,7 +14,10 @@ by policy version max(0, s - max_staleness), so
                                  in one `jax.device_put` of the whole pytree, and batch s starts
                                  as soon as version s - k has arrived, while the learner trains
                                  on earlier batches (one-step-off with k = 1, as verl and AReaL
-                                 run it; ROLL Flash and AReaL describe the design).
+                                 run it; ROLL Flash and AReaL describe the design);
+                                 with several processes each process's own engine samples
+                                 its share of the prompts, and the main thread samples while
+                                 the learner's devices run the update (`ProcessShare`)
 
 The lag is always the configured bound (once k steps have run), never "whatever was newest":
 the version a batch reads does not depend on timing, so a run is reproducible, staleness is
@@ -39,15 +42,61 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxrl import distributed
 from jaxrl.mesh import use_mesh
 from jaxrl.rl.experience import Experience, StepRollouts
 from jaxrl.rl.run import Run
+from jaxrl.rollout.collect import GroupSampler
+from jaxrl.rollout.driver import Completion
 
 
 @jax.jit
 def _copy(tree):
   """A fresh copy of every leaf (the learner donates its buffers at its next update)."""
   return jax.tree.map(lambda x: x.copy(), tree)
+
+
+def _whole(idx: tuple, shape: tuple) -> bool:
+  """Whether an index from `addressable_devices_indices_map` selects the whole array."""
+  return all(i.indices(n) == (0, n, 1) for i, n in zip(idx, shape, strict=False))
+
+
+class ProcessShare:
+  """The split placement's sampler in a multi-process run: each process samples its share of
+  every call's prompts (`distributed.share`, by prompt index) on its own engine, over its own
+  sampler devices, and every process gets every completion (`distributed.gather_shares`, so a
+  failure in one process reaches all). Request ids stay i * stride + j and the engine seeds each
+  request from (seed, request id), so every sample is the draw one engine over all the prompts
+  makes. `on_finished` sees the step's completions once all are in (sharing defers it to the
+  end); the engine counters are summed over the processes (`compiles`: the most any made).
+  Everything else is the wrapped GroupSampler's."""
+
+  def __init__(self, sampler: GroupSampler):
+    self.inner = sampler
+
+  def __getattr__(self, name: str):
+    return getattr(self.inner, name)
+
+  __call__ = GroupSampler.__call__  # prompts -> groups, through `sample_indices` below
+
+  def sample_indices(
+    self, params, prompts, samples, *, on_finished=None, **kwargs
+  ) -> tuple[dict[tuple[int, int], Completion], dict]:
+    def mine(share: range):
+      asked = [js if i in share else [] for i, js in enumerate(samples)]
+      if not any(asked):  # fewer prompts than processes: nothing to sample here
+        return {}, {}
+      return self.inner.sample_indices(params, prompts, asked, **kwargs)
+
+    parts = distributed.gather_shares(mine, len(prompts))
+    got = {k: c for part, _ in parts for k, c in part.items()}
+    stats: dict = {}
+    for _, st in parts:
+      for k, v in st.items():
+        stats[k] = max(stats.get(k, 0), v) if k == "compiles" else stats.get(k, 0) + v
+    if on_finished is not None and got:
+      on_finished([got[k] for k in sorted(got, key=lambda k: got[k].request_id)])
+    return got, stats
 
 
 class RolloutPipeline:
@@ -58,6 +107,11 @@ class RolloutPipeline:
     self.run, self.experience, self.steps = run, experience, steps
     self.max_staleness, self.split = pl.max_staleness, pl.kind == "split"
     self.sampler_mesh = run.sampler_mesh
+    # Several processes: no sampler thread. Each process's sampler is an engine on its own
+    # devices (`ProcessShare`); the main thread dispatches each update, samples the batches
+    # the versions already here allow while the learner's devices run it (`publish`), then
+    # pushes the new version: the same calls in the same order in every process.
+    self.lockstep = self.split and jax.process_count() > 1
     if self.split and self.sampler_mesh is None:
       raise ValueError("rl.placement.kind='split' needs the run's sampler sub-mesh")
     self._cond = threading.Condition()
@@ -73,6 +127,9 @@ class RolloutPipeline:
     # Timing of the split / copied placements, for the time/* metrics.
     self._push_s = 0.0
     self._push_to = None  # split: where each leaf goes on the sampler's sub-mesh (made once)
+    self._replicate = None  # split over several processes: the learner-side all-gather
+    self._update_wait_s = 0.0  # publish's wait for the update that made the version
+    self._ahead_s = 0.0  # lockstep: publish's sampling while that update ran
     self._sampler_busy_s = 0.0
     self._last: tuple[float, float] | None = None  # (wall clock, sampler busy s) at the last get
 
@@ -95,7 +152,7 @@ class RolloutPipeline:
     self._next = step + len(queued)
     self._versions, self._limit, self._stop, self._error, self._last = {}, None, False, None, None
     self.publish(step, params)
-    if self.split:
+    if self.split and not self.lockstep:
       self._thread = threading.Thread(target=self._loop, name="jaxrl-sampler", daemon=True)
       self._thread.start()
 
@@ -104,20 +161,31 @@ class RolloutPipeline:
     batches that use it: the learner's own arrays (colocated, lag 0), a copy (colocated,
     lag > 0) or a push to the sampler's sub-mesh (split). Versions no batch will read (older
     than the next batch's, newer than the last batch's) are skipped."""
+    if self.lockstep:
+      # The update that made `params` was only dispatched: sample every batch the versions
+      # already here allow while the learner's devices run it.
+      t0 = time.perf_counter()
+      self._produce_ready()
+      self._ahead_s = time.perf_counter() - t0
     with self._cond:
       if not self.version_for(self._next) <= version <= self.version_for(self.steps - 1):
         return
     if self.stateful:
       # The update that made `params` may still be running: wait for it first, so the push
       # time is the transfer's (the push could not start earlier anyway).
+      t0 = time.perf_counter()
       jax.block_until_ready(params)
+      self._update_wait_s = time.perf_counter() - t0
     t0 = time.perf_counter()
     view = self.experience.sampler_params(params)
     if self.split:
       if self._push_to is None:  # the sampler's shardings: the same specs on its sub-mesh
         spec = lambda x: NamedSharding(self.sampler_mesh, getattr(x.sharding, "spec", P()))  # noqa: E731
         self._push_to = jax.tree.map(spec, view)
-      view = jax.block_until_ready(jax.device_put(view, self._push_to))
+      if self.lockstep:
+        view = jax.block_until_ready(self._push_across_processes(view))
+      else:
+        view = jax.block_until_ready(jax.device_put(view, self._push_to))
       self._push_s = time.perf_counter() - t0
     elif self.max_staleness > 0:
       view = jax.block_until_ready(_copy(view))
@@ -130,14 +198,14 @@ class RolloutPipeline:
     """Batch `step`'s rollouts (waiting for the sampler thread if it is behind) and the
     pipeline's metrics for it."""
     t0 = time.perf_counter()
-    if self.split:
+    if self.split and not self.lockstep:
       with self._cond:
         while step not in self._ready and self._error is None:
           self._cond.wait()
         self._raise()
     else:
       while step not in self._ready:
-        self._produce()
+        self._produce_timed()
     with self._cond:
       rolled = self._ready.pop(step)
       busy_s = self._sampler_busy_s
@@ -152,9 +220,13 @@ class RolloutPipeline:
     if self.stateful:
       m["time/push_s"] = self._push_s
       m["time/learner_wait_s"] = now - t0
+      if self.lockstep:  # the host sampled while the update ran, then waited for the rest
+        m["time/sample_ahead_s"] = self._ahead_s
+        m["time/update_wait_s"] = self._update_wait_s
       if self._last is not None:
         window = now - self._last[0]
-        m["time/learner_busy_frac"] = 1.0 - (now - t0) / window
+        if not self.lockstep:  # lockstep: the learner's device time is not seen from the host
+          m["time/learner_busy_frac"] = 1.0 - (now - t0) / window
         if self.split:
           m["time/sampler_busy_frac"] = min(1.0, (busy_s - self._last[1]) / window)
       self._last = (now, busy_s)
@@ -167,7 +239,7 @@ class RolloutPipeline:
     then as of its last batch), and yield the batches not yet consumed, as JSON-ready values."""
     # The last batch that reads a version older than `step` (none past the run's last).
     need = min(step + self.max_staleness - 1, self.steps - 1)
-    if self.split:
+    if self.split and not self.lockstep:
       with self._cond:
         self._limit = need
         self._cond.notify_all()
@@ -176,7 +248,7 @@ class RolloutPipeline:
         self._raise()
     else:
       while self._next <= need:
-        self._produce()
+        self._produce_timed()
     try:
       with self._cond:
         queued = [self._ready[b].to_json() for b in sorted(self._ready) if b >= step]
@@ -230,6 +302,42 @@ class RolloutPipeline:
       for v in [v for v in self._versions if v < oldest]:
         del self._versions[v]  # no later batch reads it
       self._cond.notify_all()
+
+  def _produce_timed(self) -> None:
+    """`_produce` in the calling thread (colocated; split over several processes), on the
+    sampler's sub-mesh where there is one, counted as sampler time."""
+    t0 = time.perf_counter()
+    with use_mesh(self.sampler_mesh, self.run.rules) if self.split else contextlib.nullcontext():
+      self._produce()
+    self._sampler_busy_s += time.perf_counter() - t0
+
+  def _produce_ready(self) -> None:
+    """Every batch that may start now (its version is here; the checkpoint limit allows it)."""
+    while self._may_start():
+      self._produce_timed()
+
+  def _push_across_processes(self, view):
+    """The push when the learner's sub-mesh spans several processes and each process's
+    sampler is on its own devices (`split_devices` gives each process a share of each side):
+    jax 0.10's device_put refuses a move between disjoint device sets whose shards live in
+    other processes, so each leaf is made whole on every learner device first (one all-gather
+    program over the learner's mesh), and each process then copies its own local replica to its
+    own sampler devices; no byte crosses a process boundary outside the all-gather. The replica
+    is transient (the learner's arrays keep their sharding)."""
+    if self._replicate is None:
+      whole = NamedSharding(self.run.mesh, P())
+      self._replicate = jax.jit(lambda t: t, out_shardings=jax.tree.map(lambda _: whole, view))
+    full = self._replicate(view)
+
+    def place(x, to: NamedSharding):
+      local = x.addressable_shards[0].data  # the whole leaf, on one of this process's devices
+      shards = [
+        jax.device_put(local if _whole(idx, x.shape) else local[idx], d)
+        for d, idx in to.addressable_devices_indices_map(x.shape).items()
+      ]
+      return jax.make_array_from_single_device_arrays(x.shape, to, shards)
+
+    return jax.tree.map(place, full, self._push_to)
 
   def _may_start(self) -> bool:
     b = self._next

@@ -59,20 +59,24 @@ class Run:
   def build(cls, cfg: Config) -> Run:
     tok = components.build_tokenizer(cfg.model)
     devices, sampler_mesh = jax.devices(), None
-    if cfg.rl.placement.kind == "split" and jax.process_count() > 1:
-      # The sampler's thread would run collectives (its engine, the record and reward
-      # exchange) beside the learner's in the main thread, over disjoint devices. Tried with
-      # two processes on CPU (2026-12-05): gloo hangs when two threads run collectives at
-      # once, even over disjoint devices with their contexts made first, and jax 0.10's
-      # device_put refuses a cross-process move between disjoint device sets (the push).
-      raise ConfigError(
-        f"config.rl.placement.kind='split' is not supported with {jax.process_count()} "
-        "processes; allowed there: 'colocated'"
-      )
     if cfg.rl.placement.kind == "split":
       # The learner takes config.mesh's sizes over its share; the sampler replicates the
       # weights and splits its rows over all of its devices (decode reads every weight).
-      devices, sampler_devices = split_devices(devices, cfg.rl.placement.sampler_fraction)
+      try:
+        devices, sampler_devices = split_devices(devices, cfg.rl.placement.sampler_fraction)
+      except ValueError as e:
+        raise ConfigError(f"config.rl.placement: {e}") from e
+      if jax.process_count() > 1:
+        # Each process gives a share of its own devices to each side: the learner's sub-mesh
+        # spans the processes, and each process's sampler is an engine on its own devices
+        # that samples its share of the prompts (jaxrl.rl.placement.ProcessShare).
+        if cfg.rl.partial.enabled:
+          raise ConfigError(
+            "config.rl.partial.enabled=True is not supported with rl.placement.kind='split' "
+            f"over {jax.process_count()} processes (each process's engine would hold its own "
+            "groups in flight); allowed there: rl.placement.kind='colocated'"
+          )
+        sampler_devices = [d for d in sampler_devices if d.process_index == jax.process_index()]
       sampler_mesh = make_mesh(data=-1, fsdp=1, tensor=1, devices=sampler_devices)
     try:
       mesh = make_mesh(
@@ -233,7 +237,7 @@ class Run:
 
   def shard(self, tree) -> Any:
     """Place a batch pytree (host or device arrays) with its rows over the batch axes."""
-    return jax.device_put(tree, self.batch_sharding)
+    return distributed.put(tree, self.batch_sharding)
 
   def checkpointer(self, phase: str) -> Checkpointer:
     ck = self.cfg.checkpoint

@@ -1,5 +1,7 @@
 """rl.placement: which policy version samples which batch, colocated and on split sub-meshes."""
 
+import collections
+
 import jax
 import numpy as np
 import pytest
@@ -164,6 +166,21 @@ def test_split_devices():
   assert split_devices(devs, 1.0) == ([0], devs[1:])
   with pytest.raises(ValueError, match="at least 2 devices"):
     split_devices([0], 0.5)
+
+
+def test_split_devices_of_several_processes_gives_each_side_a_share_of_every_process():
+  dev = collections.namedtuple("Dev", "process_index id")
+  devs = [dev(p, i) for p in range(2) for i in range(4)]  # 2 processes, 4 devices each
+  learner, sampler = split_devices(devs, 0.25)
+  assert [(d.process_index, d.id) for d in learner] == [(0, 0), (0, 1), (0, 2), (1, 0), (1, 1),
+                                                        (1, 2)]  # fmt: skip
+  assert [(d.process_index, d.id) for d in sampler] == [(0, 3), (1, 3)]
+  with pytest.raises(ValueError) as e:
+    split_devices([dev(0, 0), dev(0, 1), dev(1, 0)], 0.5)
+  assert str(e.value) == (
+    "rl.placement.kind='split' with several processes needs the same number of devices, at "
+    "least 2, on every process (one per side on each); there are process 0: 2, process 1: 1"
+  )
 
 
 def test_partial_rollouts_on_a_split_sampler_bound_every_token_by_k_plus_max_age(tmp_path):
