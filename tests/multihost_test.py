@@ -318,6 +318,22 @@ def test_shares_are_exchanged_and_a_failure_reaches_every_process(runs):
   )
 
 
+def test_exchanges_travel_in_chunks_and_leave_only_the_last_one_behind(runs):
+  (one,), two = runs
+  assert one["exchange"]["got"] == [[[i, 0, 3 << 20 if i == 1 else 0, [1] if i == 1 else []]]
+                                    for i in range(3)]  # fmt: skip
+  for p in two:
+    assert p["exchange"]["got"] == [
+      [[i, j, 3 << 20 if i == 1 else 0, [j + 1] if i == 1 else []] for j in range(2)]
+      for i in range(3)
+    ]
+    # Every exchange of the run (its SFT, RL, evaluation and these) was deleted at the next
+    # one but the last, which the next exchange would delete.
+    (last,) = p["exchange"]["left"]
+    assert int(last) > 10
+  assert two[0]["exchange"]["left"] == two[1]["exchange"]["left"]
+
+
 def test_share_splits_items_as_array_split():
   for n in (0, 1, 5, 16, 17):
     for count in (1, 2, 3, 4):

@@ -115,6 +115,7 @@ def main() -> None:
     failure = None
   except Exception as e:
     failure = f"{type(e).__name__}: {e}"
+  exchange = _exchange()
   out = Path(args.out) / f"p{jax.process_index()}.json"
   out.write_text(json.dumps({
     "out": str(Path(args.out).resolve()),
@@ -134,6 +135,7 @@ def main() -> None:
     "split_run": split_run,
     "shares": shares,
     "failure": failure,
+    "exchange": exchange,
   }))  # fmt: skip
 
 
@@ -274,6 +276,26 @@ def _trainer(workdir: str, until: int | None = None) -> dict:
   finally:
     ArithmeticTask.sample, rewards.compute_rewards = sample, compute
   return counts
+
+
+def _exchange() -> dict:
+  """Three more exchanges, the middle one of 3 MiB from each process (more than one key-value
+  entry's chunk): what each process got, and the exchange keys the coordinator holds after a
+  barrier (each process deletes its part of an exchange at its next one)."""
+  import jax
+  from jax._src import distributed as jax_distributed
+
+  me, got = jax.process_index(), []
+  for i in range(3):
+    payload = bytes([me + 1]) * (3 << 20) if i == 1 else b""
+    every = distributed.allgather_objects((i, me, payload))
+    got.append([[j, p, len(b), sorted(set(b))] for j, p, b in every])
+  if jax.process_count() == 1:
+    return {"got": got, "left": []}
+  client = jax_distributed.global_state.client
+  client.wait_at_barrier("jaxrl-test-exchange", 60_000)
+  left = client.key_value_dir_get_bytes("jaxrl/exchange/")
+  return {"got": got, "left": sorted({k.split("/")[2] for k, _ in left})}
 
 
 def _split(workdir: str, until: int | None = None) -> dict:
