@@ -115,6 +115,59 @@ def write_report(out: Path, benchmark: str, settings: dict, results, **extra) ->
   return report
 
 
+def mean_range(values) -> dict:
+  """{'mean', 'min', 'max'} of `values`."""
+  values = list(values)
+  return {"mean": statistics.fmean(values), "min": min(values), "max": max(values)}
+
+
+def modes_vs_base(per_seed: dict, seeds, base: str = "colocated", key: str = "step_s") -> dict:
+  """Per mode of `per_seed` ({mode: {seed: {result: value}}}): every float result's mean_range
+  over `seeds`, and `key` divided by the `base` mode's, paired by seed (`{key}_vs_{base}`)."""
+  out = {}
+  for mode, by_seed in per_seed.items():
+    rows = [by_seed[s] for s in seeds]
+    m = {k: mean_range(r[k] for r in rows) for k in rows[0] if isinstance(rows[0][k], float)}
+    ratios = (r[key] / per_seed[base][s][key] for r, s in zip(rows, seeds, strict=True))
+    m[f"{key}_vs_{base}"] = mean_range(ratios)
+    out[mode] = m
+  return out
+
+
+def write_modes_report(out: Path, benchmark: str, config: str, per_seed: dict, seeds, **settings):
+  """Write a placement-style benchmark's JSON (name, date, `machine()`, versions, its config,
+  seeds and `settings`, `modes_vs_base(per_seed, seeds)` and the per-seed results) to `out`;
+  returns it."""
+  result = {
+    "benchmark": benchmark,
+    "date": datetime.date.today().isoformat(),
+    "machine": machine(),
+    "versions": versions(("jax", "jaxlib", "flax")),
+    "config": config,
+    "seeds": list(seeds),
+    **settings,
+    "modes": modes_vs_base(per_seed, seeds),
+    "per_seed": per_seed,
+  }
+  out.parent.mkdir(parents=True, exist_ok=True)
+  out.write_text(json.dumps(result, indent=2) + "\n")
+  return result
+
+
+def print_modes(modes: dict, extra_keys, base: str = "colocated", width: int = 13) -> None:
+  """One line per mode of `modes_vs_base`: its step seconds, their ratio to `base`, and the
+  mean (min-max) of each of `extra_keys` it has."""
+  for mode, m in modes.items():
+    x = m[f"step_s_vs_{base}"]
+    extra = "  ".join(
+      f"{k} {m[k]['mean']:.3g} ({m[k]['min']:.3g}-{m[k]['max']:.3g})" for k in extra_keys if k in m
+    )
+    print(
+      f"{mode:{width}s} step {m['step_s']['mean']:.3f}s  x {base} {x['mean']:.3f} "
+      f"({x['min']:.3f}-{x['max']:.3f})  {extra}"
+    )
+
+
 def median_seconds(f: Callable, *args, reps: int) -> float:
   """Median wall seconds of `reps` calls of f(*args) (blocked until ready) after one warm-up
   (compile) call."""

@@ -32,7 +32,6 @@ os.environ["XLA_FLAGS"] = (
 ).strip()
 
 import argparse  # noqa: E402
-import datetime  # noqa: E402
 import json  # noqa: E402
 import statistics  # noqa: E402
 import sys  # noqa: E402
@@ -46,7 +45,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(BENCH_DIR))
 
 import jax  # noqa: E402
-from _common import HostClock, machine, versions  # noqa: E402
+from _common import HostClock, print_modes, write_modes_report  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 
 from jaxrl.config import config_module, validate  # noqa: E402
@@ -156,10 +155,6 @@ def _plain_put_s(trainer: Trainer, n: int) -> tuple[float, int]:
   return statistics.median(times), nbytes
 
 
-def _summary(values: list[float]) -> dict:
-  return {"mean": statistics.fmean(values), "min": min(values), "max": max(values)}
-
-
 def main(argv=None) -> dict:
   ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
   ap.add_argument("--seeds", default="0-2")
@@ -182,43 +177,19 @@ def main(argv=None) -> dict:
       per_seed[mode][seed] = out
       print(f"[bench] seed {seed} {mode}: {json.dumps(out)}", flush=True)
 
-  result = {
-    "benchmark": "placement",
-    "date": datetime.date.today().isoformat(),
-    "machine": machine(),
-    "versions": versions(("jax", "jaxlib", "flax")),
-    "config": "configs/grpo_arith.py, sft.steps=4, 8 simulated devices",
-    "seeds": seeds,
-    "steps": args.steps,
-    "warmup": args.warmup,
-    "modes": {},
-  }
-  base = [per_seed["colocated"][s]["step_s"] for s in seeds]
-  for mode in MODES:
-    rows = [per_seed[mode][s] for s in seeds]
-    m = {k: _summary([r[k] for r in rows]) for k in rows[0] if isinstance(rows[0][k], float)}
-    m["step_s_vs_colocated"] = _summary([r["step_s"] / b for r, b in zip(rows, base, strict=True)])
-    result["modes"][mode] = m
-  result["per_seed"] = per_seed
-  Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-  Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
-  for mode, m in result["modes"].items():
-    x = m["step_s_vs_colocated"]
-    extra = "  ".join(
-      f"{k} {m[k]['mean']:.3g} ({m[k]['min']:.3g}-{m[k]['max']:.3g})"
-      for k in (
-        "host_share",
-        "learner_busy",
-        "sampler_busy",
-        "push_vs_plain_put",
-        "push_vs_same_moment_put",
-      )
-      if k in m
-    )
-    print(
-      f"{mode:13s} step {m['step_s']['mean']:.3f}s  x colocated {x['mean']:.3f} "
-      f"({x['min']:.3f}-{x['max']:.3f})  {extra}"
-    )
+  result = write_modes_report(
+    Path(args.out),
+    "placement",
+    "configs/grpo_arith.py, sft.steps=4, 8 simulated devices",
+    per_seed,
+    seeds,
+    steps=args.steps,
+    warmup=args.warmup,
+  )
+  print_modes(
+    result["modes"],
+    ("host_share", "learner_busy", "sampler_busy", "push_vs_plain_put", "push_vs_same_moment_put"),
+  )
   return result
 
 
