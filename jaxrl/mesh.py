@@ -151,8 +151,9 @@ def split_devices(devices: Sequence[Any], sampler_fraction: float) -> tuple[list
   """(learner devices, sampler devices): the last round(sampler_fraction * n) devices (at least
   one, at most n - 1) go to the sampler, so each side's devices are contiguous. Devices of
   several processes (a multi-process run) are split process by process, each process giving
-  the same share of its own devices to each side, so both sub-meshes span every process (each
-  process drives its part of both, and the push never leaves a process: jaxrl.rl.placement)."""
+  the same share of its own devices to each side: the learner's devices span every process,
+  and each process keeps sampler devices of its own (`jaxrl.rl.run.Run.build` puts each
+  process's engine on them; `jaxrl.rl.placement.ProcessShare`)."""
   devices = list(devices)
   hosts: dict[int, list] = {}
   for d in devices:
