@@ -196,7 +196,7 @@ def test_two_processes_run_the_default_jobs_smoke_as_one(runs, tmp_path_factory)
   logs = {}
   for name in ("one", "two"):
     run = base / name / "run"
-    logs[name] = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    logs[name] = _metrics(run / "metrics.jsonl")
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["rl", "sft"]
   assert [r["phase"] for r in logs["two"]] == [r["phase"] for r in logs["one"]]
   assert {"sft/loss", "rl/loss", "rl/entropy", "eval/accuracy"} <= {
@@ -215,28 +215,31 @@ def test_two_processes_run_the_default_jobs_smoke_as_one(runs, tmp_path_factory)
   assert all(r["opt/grad_norm"] > 0 for r in rl)  # the steps really moved the params
 
 
-def test_a_resumed_two_process_run_repeats_the_uninterrupted_one(runs):
-  (one,), _ = runs
-  base = Path(one["out"]).parent / "two"
-  logs = {}
-  for name in ("run", "run_resumed"):
-    logs[name] = [
-      json.loads(line) for line in (base / name / "metrics.jsonl").read_text().splitlines()
-    ]
-  assert [(r["phase"], r["step"]) for r in logs["run_resumed"]] == [
-    (r["phase"], r["step"]) for r in logs["run"]
-  ]  # every row once: the stopped try's rows kept, none repeated
-  for a, b in zip(logs["run"], logs["run_resumed"], strict=True):
+def _metrics(path: Path) -> list[dict]:
+  return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def _assert_resumed_repeats(base: Path, full: str, resumed: str) -> None:
+  """Workdir `resumed` (stopped after an RL step, resumed) logged what `full` logged: every row
+  once (the stopped try's rows kept, none repeated), every value but the timings equal."""
+  a_rows, b_rows = (
+    _metrics(base / full / "metrics.jsonl"),
+    _metrics(base / resumed / "metrics.jsonl"),
+  )
+  assert [(r["phase"], r["step"]) for r in b_rows] == [(r["phase"], r["step"]) for r in a_rows]
+  for a, b in zip(a_rows, b_rows, strict=True):
     assert {k: v for k, v in a.items() if not k.startswith("time/")} == {
       k: v for k, v in b.items() if not k.startswith("time/")
     }, a["step"]
-  summary = {n: json.loads((base / n / "summary.json").read_text()) for n in logs}
+
+
+def test_a_resumed_two_process_run_repeats_the_uninterrupted_one(runs):
+  (one,), _ = runs
+  base = Path(one["out"]).parent / "two"
+  _assert_resumed_repeats(base, "run", "run_resumed")
+  summary = {n: json.loads((base / n / "summary.json").read_text()) for n in ("run", "run_resumed")}
   for key in ("accuracy_after_sft", "accuracy_after_rl", "sampled_accuracy_after_rl"):
     assert summary["run_resumed"][key] == summary["run"][key], key
-
-
-def _metrics(path: Path) -> list[dict]:
-  return [json.loads(line) for line in path.read_text().splitlines()]
 
 
 # Each process's engine makes its own prefill and decode calls for its half of the prompts: these
@@ -288,13 +291,7 @@ def test_a_split_placement_over_two_processes_takes_the_steps_of_one(runs):
 
 def test_a_resumed_split_placement_over_two_processes_repeats_the_uninterrupted_one(runs):
   (one,), _ = runs
-  base = Path(one["out"]).parent / "two"
-  full, resumed = (_metrics(base / n / "metrics.jsonl") for n in ("run_split", "run_split_resumed"))
-  assert [(r["phase"], r["step"]) for r in resumed] == [(r["phase"], r["step"]) for r in full]
-  for a, b in zip(full, resumed, strict=True):
-    assert {k: v for k, v in a.items() if not k.startswith("time/")} == {
-      k: v for k, v in b.items() if not k.startswith("time/")
-    }, a["step"]
+  _assert_resumed_repeats(Path(one["out"]).parent / "two", "run_split", "run_split_resumed")
 
 
 def test_each_process_reads_and_scores_only_its_share(runs):
