@@ -9,7 +9,9 @@ For each quantized-matmul case (W8A8 int8, W8A8 fp8 e4m3, W8A16 bf16 x e4m3; `--
 `quant_matmul` with the backend's kernel (pallas_gpu / pallas_tpu) in each `--block` config
 (blocks, Triton launch, K split), compares it with the reference on the same backend (int8:
 equal unless split; fp8 / bf16: relative error), and times both against `jnp.dot` of bf16
-operands. Then one
+operands. `--matmul-impl=pallas_mgpu` runs these matmul sections with the Hopper-native Mosaic
+GPU kernel instead (TMA pipeline, wgmma; W8A8 only, weights K-major; `--block` entries
+bm,bn,bk[,0,stages][@split_k]). Then one
 decode step of paged attention (64 sequences of up to 2,048 keys in 16-token pages, 32 query and
 8 kv heads of 128, bf16 and fp8 pages) through the backend's kernel (`paged_attention`,
 pallas_gpu / pallas_tpu) against the jnp reference that gathers the pages. Then the MoE experts'
@@ -50,7 +52,12 @@ from _common import median_seconds as _time  # noqa: E402
 
 from jaxrl.kernels.grouped_matmul import grouped_matmul  # noqa: E402
 from jaxrl.kernels.paged_attention import PagedKV, paged_attention  # noqa: E402
-from jaxrl.kernels.quant_matmul import auto_split_k, quant_matmul, resolve_impl  # noqa: E402
+from jaxrl.kernels.quant_matmul import (  # noqa: E402
+  auto_split_k,
+  mgpu_split_k,
+  quant_matmul,
+  resolve_impl,
+)
 from jaxrl.models.config import ModelConfig  # noqa: E402
 from jaxrl.quant import quantize, quantize_activations, quantize_params  # noqa: E402
 
@@ -172,7 +179,10 @@ def matmul_cases(
   """quant_matmul (each `cases` format, each (block, launch, split_k) config) vs its reference
   and a bf16
   jnp.dot, per M; both also against the float32 product of the dequantized operands (which of
-  the two accumulates less precisely). Each timing cycles over `COPIES` weights (L2 misses)."""
+  the two accumulates less precisely). Each timing cycles over `COPIES` weights (L2 misses).
+  The Mosaic GPU kernel (pallas_mgpu) takes its weights K-major ([N, K], transposed once
+  before the timings, as a K-major quantize-on-sync would store them)."""
+  kmajor = impl == "pallas_mgpu"
   rng = np.random.default_rng(0)
   copies = 2 if interpret else COPIES
   keys = jax.random.split(jax.random.key(n), copies)  # drawn on the device: 32 x 4096 x 14336
@@ -188,19 +198,25 @@ def matmul_cases(
       qs = [quantize(w, 1, w_dtype) for w in w32s]
       xq, xs, x_deq = _activations(x32, x_dtype)
       want = exact(x_deq, qs[0].values.astype(jnp.float32) * qs[0].scale.reshape(1, n))
-      sets = [(xq, q.values, q.scale, xs) for q in qs]
+      if kmajor and xs is None:
+        continue  # W8A16: the Mosaic GPU kernel multiplies 8-bit pairs only
+      sets = [(xq, _weight(q.values, kmajor), q.scale, xs) for q in qs]
       for block, launch, split in configs:
         if impl == "pallas_tpu" and split is not None:
-          continue  # the K split is the Triton kernel's
+          continue  # the K split is the GPU kernels'
+        if kmajor and launch is not None:
+          launch = (None, launch[1])  # one warpgroup; (num_warps, stages) -> (None, stages)
 
         def one(block=block, launch=launch, split=split, sets=sets, want=want, bf=(t_bf16, a_bf16)):
           kern = jax.jit(
             lambda a, b, c, d: quant_matmul(
               a, b, c, d, impl=impl, block=block, interpret=interpret, launch=launch,
-              split_k=split,
+              split_k=split, w_kmajor=kmajor,
             )
           )  # fmt: skip
-          ref = jax.jit(lambda a, b, c, d: quant_matmul(a, b, c, d, impl="reference"))
+          ref = jax.jit(
+            lambda a, b, c, d: quant_matmul(a, b, c, d, impl="reference", w_kmajor=kmajor)
+          )
           row = _compare(kern, ref, sets, reps)
           row["kernel_rel_err_vs_f32"] = _rel_err(kern(*sets[0]), want)
           row["reference_rel_err_vs_f32"] = _rel_err(ref(*sets[0]), want)
@@ -211,8 +227,8 @@ def matmul_cases(
             "kernel_vs_bf16_amortized": bf[1] / row["kernel_amortized_s"],
           }
 
-        if impl == "pallas_gpu":
-          split = auto_split_k(m, n, k, block) if split is None else split
+        if impl in _SPLITS:
+          split = _SPLITS[impl](m, n, k, block) if split is None else split
         cfg = {"block": list(block), "launch": None if launch is None else list(launch)}
         row = run.case(case, one, m=m, k=k, n=n, split_k=split or 1, **cfg)
         _show(
@@ -224,6 +240,14 @@ def matmul_cases(
           f"{row.get('kernel_rel_err_vs_f32', -1):.1e} "
           f"reference {row.get('reference_rel_err_vs_f32', -1):.1e}",
         )
+
+
+_SPLITS = {"pallas_gpu": auto_split_k, "pallas_mgpu": mgpu_split_k}  # the kernels' K-split rules
+
+
+def _weight(values, kmajor: bool):
+  """The [K, N] codes, or a K-major [N, K] copy made now (outside any timing)."""
+  return jnp.asarray(values.T).block_until_ready() if kmajor else values
 
 
 ODD_SHAPES = ((10, 200, 24), (5, 1000, 300), (33, 520, 130), (64, 4096, 1000))
@@ -243,15 +267,20 @@ def odd_shape_cases(run: Run, impl: str, interpret: bool, shapes=ODD_SHAPES):
       q = quantize(w32, 1, w_dtype)
       xq, xs, x_deq = _activations(x32, x_dtype)
       want = exact(x_deq, q.values.astype(jnp.float32) * q.scale.reshape(1, n))
-      for split in (1, 2, 4, None) if impl == "pallas_gpu" else (None,):
+      kmajor = impl == "pallas_mgpu"
+      if kmajor and xs is None:
+        continue  # W8A16: not the Mosaic GPU kernel's
+      for split in (1, 2, 4, None) if impl in _SPLITS else (None,):
 
-        def one(split=split, xq=xq, q=q, xs=xs, want=want):
+        def one(split=split, xq=xq, q=q, xs=xs, want=want, kmajor=kmajor):
           got = quant_matmul(
-            xq, q.values, q.scale, xs, impl=impl, interpret=interpret, split_k=split
-          )
+            xq, _weight(q.values, kmajor), q.scale, xs, impl=impl, interpret=interpret,
+            split_k=split, w_kmajor=kmajor,
+          )  # fmt: skip
           return {"rel_err_vs_f32": _rel_err(got, want)}
 
-        resolved = split or (auto_split_k(m, n, k, (128, 128, 128)) if impl == "pallas_gpu" else 1)
+        auto = _SPLITS.get(impl)
+        resolved = split or (auto(m, n, k, (128, 128, 128)) if auto else 1)
         row = run.case(f"odd_{case}", one, m=m, k=k, n=n, split_k=resolved)
         print(f"{row['case']:26s} {(m, k, n)} split {resolved}: {row.get('rel_err_vs_f32')}")
 
@@ -458,6 +487,13 @@ def main(argv=None) -> int:
   )
   ap.add_argument("--ms", default="64,4096", help="quant_matmul M (rows) values")
   ap.add_argument(
+    "--matmul-impl",
+    default="",
+    help="the quantized matmul's kernel for the odd and matmul sections (default: the "
+    "backend's, as `auto` picks it; pallas_mgpu: the Hopper-native Mosaic GPU kernel, W8A8 "
+    "only, K-major weights; its --block launch is 0,stages)",
+  )
+  ap.add_argument(
     "--decode-quant",
     default="int8:reference,fp8:reference,fp8:pallas_gpu",
     help="quantized decode rows, mode:matmul_kernel (a jaxrl.quant mode; reference|pallas_gpu)",
@@ -496,17 +532,25 @@ def main(argv=None) -> int:
     "impl": impl,
     "configs": configs,
   })  # fmt: skip
-  print(f"{run.meta['device']} ({backend}), jax {jax.__version__}, kernels {impl}", flush=True)
+  mm_impl = args.matmul_impl or impl
+  if mm_impl not in ("pallas_tpu", "pallas_gpu", "pallas_mgpu"):
+    ap.error(f"--matmul-impl {mm_impl!r}: one of pallas_tpu, pallas_gpu, pallas_mgpu")
+  run.meta["matmul_impl"] = mm_impl
+  print(
+    f"{run.meta['device']} ({backend}), jax {jax.__version__}, kernels {impl}, quantized "
+    f"matmul {mm_impl}",
+    flush=True,
+  )
   smoke = args.smoke
   if "odd" not in skip:
-    odd_shape_cases(run, impl, interpret, ((5, 48, 40),) if smoke else ODD_SHAPES)
+    odd_shape_cases(run, mm_impl, interpret, ((5, 48, 40),) if smoke else ODD_SHAPES)
   if "matmul" not in skip:
     k, ns = (48, (40,)) if smoke else (args.k, tuple(int(v) for v in args.n.split(",")))
     ms = (5,) if smoke else tuple(int(v) for v in args.ms.split(","))
-    if smoke:
-      configs = [*configs, ((16, 16, 16), None, 2)]  # a split, through the interpreter
+    if smoke:  # a split, through the interpreter (the Mosaic GPU kernel's blocks are >= 64)
+      configs = [*configs, ((64,) * 3 if mm_impl == "pallas_mgpu" else (16,) * 3, None, 2)]
     for n in ns:
-      matmul_cases(run, impl, k, n, ms, configs, reps, interpret, cases)
+      matmul_cases(run, mm_impl, k, n, ms, configs, reps, interpret, cases)
   if "paged" not in skip:
     shape = (
       dict(b=2, n=4, kh=2, h=16, ps=4, m=4)

@@ -20,6 +20,15 @@ Three implementations of the one contract, chosen by `impl`:
               (M <= 64) the (M / bm, N / bn) grid alone can have far fewer programs than the
               GPU has SMs, leaving most of the weight bandwidth unused; `split_k=None` picks
               the split that brings the grid up to about one program per SM (`auto_split_k`)
+  pallas_mgpu Mosaic GPU, Hopper-native (W8A8 int8 / fp8 only): each program of a (M / bm,
+              N / bn, split_k) grid streams its x and w tiles into shared memory through a
+              TMA pipeline `stages` deep (`plgpu.emit_pipeline`) and multiplies them with
+              warpgroup MMAs (`wgmma`: int8 -> int32, fp8 -> float32, bm a multiple of 64 rows);
+              its raw [split_k, M, N] partial sums are added and rescaled by XLA in one fusion.
+              Hopper's 8-bit wgmma reads both operands K-major, so the weight must be stored
+              [N, K] (`w_kmajor=True`); a [K, N] weight is transposed by XLA first (a copy per
+              call: right, but not fast). Not picked by `auto` and not a model config choice:
+              its speed has not been measured on a device yet (bench/device_kernels.py)
 `auto` picks pallas_tpu on a TPU, pallas_gpu on a GPU and the reference elsewhere; `interpret`
 runs a Pallas variant through the Pallas interpreter on any backend (tests on CPU; about 0.1 ms a
 grid step, so keep grids small). Operands are zero-padded to whole blocks and the result cropped.
@@ -40,15 +49,17 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 
-from jaxrl.kernels.blocks import gpu_block
+from jaxrl.kernels.blocks import gpu_block, round_up
 
-IMPLS = ("auto", "reference", "pallas_tpu", "pallas_gpu")
+IMPLS = ("auto", "reference", "pallas_tpu", "pallas_gpu")  # the model's `matmul_kernel` choices
+ALL_IMPLS = IMPLS + ("pallas_mgpu",)
 _INT8 = jnp.dtype(jnp.int8)
 # Split-K's target grid: about one program per SM of an H100 / H200 (132). Measured on an H200
 # (docs/benchmarks.md) at M = 64, K = 4096: N = 4096 (32 tiles of 128) gains 1.5-2.0x from a
 # split of 4-8; N = 14336 (112 tiles) loses 1.4-2.6x from any split.
 _GPU_SMS = 132
 _MAX_SPLIT = 16
+_MGPU_STAGES = 4  # the Mosaic GPU kernel's default TMA pipeline depth (`launch=(None, stages)`)
 
 
 def _acc_dtype(x_dtype, w_dtype):
@@ -122,11 +133,92 @@ def auto_split_k(m: int, n: int, k: int, block: tuple[int, int, int]) -> int:
   within `_GPU_SMS` programs and leaves every program at least two bk slices of K; 1 when the
   tiles alone fill half the SMs (prefill, wide decode projections)."""
   bm, bn, bk = (gpu_block(b, d) for b, d in zip(block, (m, n, k), strict=True))
-  programs = -(-m // bm) * -(-n // bn)
+  return _split_for(-(-m // bm) * -(-n // bn), k, bk)
+
+
+def _split_for(programs: int, k: int, bk: int) -> int:
   split = 1
   while split < _MAX_SPLIT and programs * split * 2 <= _GPU_SMS and k >= 4 * bk * split:
     split *= 2
   return split
+
+
+_MGPU_UNIT = 64  # a warpgroup's wgmma takes 64 rows; 64-byte 8-bit tiles swizzle
+
+
+def mgpu_blocks(block: tuple[int, int, int], m: int, n: int, k: int) -> tuple[int, int, int]:
+  """The Mosaic GPU kernel's (bm, bn, bk) for an [M, K] x [K, N] product: each requested block
+  (a multiple of 64) clipped to its axis rounded up to 64; bn at most 256 (wgmma's widest N)."""
+  if any(b <= 0 or b % _MGPU_UNIT for b in block) or block[1] > 256:
+    raise ValueError(
+      f"pallas_mgpu blocks must be positive multiples of {_MGPU_UNIT} with bn <= 256 (wgmma's "
+      f"64-row warpgroup tile, its widest N), got {tuple(block)}"
+    )
+  return tuple(min(b, round_up(d, _MGPU_UNIT)) for b, d in zip(block, (m, n, k), strict=True))
+
+
+def mgpu_split_k(m: int, n: int, k: int, block: tuple[int, int, int]) -> int:
+  """`auto_split_k`'s rule for the Mosaic GPU kernel's blocks (`mgpu_blocks`)."""
+  bm, bn, bk = mgpu_blocks(block, m, n, k)
+  return _split_for(-(-m // bm) * -(-n // bn), k, bk)
+
+
+def _mgpu(x, w_nk, *, block, split_k, stages, interpret):
+  """Raw partial sums [split_k, M', N'] (int32 / float32) of x [M', K'] @ w_nk [N', K'].T on
+  operands already padded to whole blocks (`_pallas`)."""
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+
+  bm, bn, bk = block
+  (mp, kp), np_ = x.shape, w_nk.shape[0]
+  steps = kp // (bk * split_k)  # K slices per program
+  acc = _acc_dtype(x.dtype, w_nk.dtype)
+
+  def body(x_gmem, w_gmem, o_gmem):
+    mi, ni, si = jax.lax.axis_index("m"), jax.lax.axis_index("n"), jax.lax.axis_index("s")
+
+    def mma(acc_ref):
+      def step(_, xs, ws):
+        plgpu.wgmma(acc_ref, xs, plgpu.transpose_ref(ws, (1, 0)))
+        # One MMA left in flight: the one before it is done, so the slot its tiles held (one
+        # step longer, delay_release) can take the next TMA load.
+        plgpu.wgmma_wait(1)
+
+      plgpu.emit_pipeline(
+        step,
+        grid=(steps,),
+        in_specs=[
+          plgpu.BlockSpec((bm, bk), lambda q: (mi, si * steps + q), delay_release=1),
+          plgpu.BlockSpec((bn, bk), lambda q: (ni, si * steps + q), delay_release=1),
+        ],
+        max_concurrent_steps=stages,
+      )(x_gmem, w_gmem)
+      return acc_ref[...]
+
+    total = pl.run_scoped(mma, plgpu.ACC((bm, bn), acc))
+
+    @functools.partial(pl.run_scoped, o_smem=plgpu.SMEM((bm, bn), acc))
+    def _(o_smem):
+      o_smem[...] = total
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(o_smem, o_gmem.at[si, pl.ds(mi * bm, bm), pl.ds(ni * bn, bn)])
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+  extra = {}
+  if interpret:
+    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+
+    from jaxrl.kernels import mgpu_interpret
+
+    mgpu_interpret.install()  # the interpreter's wgmma learns the weight tile's transposed view
+    extra["interpret"] = InterpretGPUParams()
+  return plgpu.kernel(
+    body,
+    out_type=jax.ShapeDtypeStruct((split_k, mp, np_), acc),
+    grid=(mp // bm, np_ // bn, split_k),
+    grid_names=("m", "n", "s"),
+    compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+    **extra,
+  )(x, w_nk)
 
 
 def _tpu_mxu_dtype(x_dtype, w_dtype):
@@ -154,6 +246,14 @@ def _pad(a, rows: int, cols: int):
 
 def _pallas(x, w, w_scale, x_scale, *, impl, block, interpret, launch=None, split_k=1):
   m, k = x.shape
+  if impl == "pallas_mgpu":  # w is [N, K] (K-major)
+    n = w.shape[0]
+    bm, bn, bk = mgpu_blocks(block, m, n, k)
+    x, w = _pad(x, bm, bk * split_k), _pad(w, bn, bk * split_k)
+    stages = (launch or (None, None))[1] or _MGPU_STAGES  # >= 2 (quant_matmul checks)
+    parts = _mgpu(x, w, block=(bm, bn, bk), split_k=split_k, stages=stages, interpret=interpret)
+    y = parts[0] if split_k == 1 else parts.sum(0)
+    return y[:m, :n].astype(jnp.float32) * x_scale.astype(jnp.float32) * w_scale
   n = w.shape[1]
   if impl == "pallas_gpu":  # Triton: power-of-two blocks, >= 16 for tl.dot
     bm, bn, bk = (gpu_block(b, d) for b, d in zip(block, (m, n, k), strict=True))
@@ -238,8 +338,8 @@ def _pallas(x, w, w_scale, x_scale, *, impl, block, interpret, launch=None, spli
 
 def resolve_impl(impl: str) -> str:
   """`auto` -> the backend's kernel (pallas_tpu / pallas_gpu) or the reference (CPU)."""
-  if impl not in IMPLS:
-    raise ValueError(f"quant_matmul impl must be one of {IMPLS}, got {impl!r}")
+  if impl not in ALL_IMPLS:
+    raise ValueError(f"quant_matmul impl must be one of {ALL_IMPLS}, got {impl!r}")
   if impl != "auto":
     return impl
   backend = jax.default_backend()
@@ -289,20 +389,25 @@ def quant_matmul(
   impl: str = "auto",
   block: tuple[int, int, int] = (128, 128, 128),
   interpret: bool = False,
-  launch: tuple[int, int] | None = None,
+  launch: tuple[int | None, int | None] | None = None,
   split_k: int | None = None,
+  w_kmajor: bool = False,
 ) -> jax.Array:
   """float32 [M, N] = (x @ w) * x_scale * w_scale (see the module docstring).
 
   x [M, K]: int8 / fp8 codes with x_scale [M] or [M, 1] (W8A8), or float with x_scale None
-  (W8A16). w [K, N] int8 / fp8, w_scale [N] or [1, N]. block = (bm, bn, bk), clipped to the
-  operands' sizes. launch = (num_warps, num_stages) of the Triton kernel (pallas_gpu; None:
-  Triton's defaults). split_k: the Triton kernel's K split (None: `auto_split_k`; the TPU
-  kernel and the reference take 1). A split sums float32 partials in an unspecified order, so
-  int8 results are no longer bit-exact.
+  (W8A16). w [K, N] int8 / fp8, or [N, K] with `w_kmajor` (the layout pallas_mgpu reads; the
+  other implementations transpose it back), w_scale [N] or [1, N]. block = (bm, bn, bk),
+  clipped to the operands' sizes. launch = (num_warps, num_stages) of the Triton kernel
+  (pallas_gpu; None: Triton's defaults), or (None, pipeline stages) of the Mosaic GPU kernel.
+  split_k: the GPU kernels' K split (None: `auto_split_k` / `mgpu_split_k`; the TPU kernel and
+  the reference take 1). A split sums float32 partials in an unspecified order, so int8 results
+  of the Triton kernel are no longer bit-exact (the Mosaic GPU kernel adds int32 partials).
   """
-  if x.ndim != 2 or w.ndim != 2 or x.shape[1] != w.shape[0]:
-    raise ValueError(f"quant_matmul needs x [M, K] and w [K, N], got {x.shape} and {w.shape}")
+  k_axis = 1 if w_kmajor else 0
+  if x.ndim != 2 or w.ndim != 2 or x.shape[1] != w.shape[k_axis]:
+    layout = "[N, K] (w_kmajor)" if w_kmajor else "[K, N]"
+    raise ValueError(f"quant_matmul needs x [M, K] and w {layout}, got {x.shape} and {w.shape}")
   if jnp.dtype(w.dtype).itemsize != 1:
     raise ValueError(f"quant_matmul needs an 8-bit weight (int8 / fp8), got {w.dtype}")
   eight_bit_x = jnp.dtype(x.dtype).itemsize == 1
@@ -310,17 +415,33 @@ def quant_matmul(
     raise ValueError("quant_matmul: 8-bit x needs its x_scale (W8A8); float x takes none (W8A16)")
   if eight_bit_x and (jnp.dtype(x.dtype) == _INT8) != (jnp.dtype(w.dtype) == _INT8):
     raise ValueError(f"W8A8 needs x and w both int8 or both fp8, got {x.dtype} and {w.dtype}")
-  m, n = x.shape[0], w.shape[1]
+  m, n = x.shape[0], w.shape[1 - k_axis]
   x_scale = jnp.ones((m, 1), jnp.float32) if x_scale is None else x_scale.reshape(m, 1)
   w_scale = w_scale.reshape(1, n)
   launch = None if launch is None else tuple(launch)
   impl = resolve_impl(impl)
-  if impl != "pallas_gpu":
+  mgpu = impl == "pallas_mgpu"
+  if mgpu and not eight_bit_x:
+    raise ValueError(
+      f"pallas_mgpu multiplies 8-bit pairs only (W8A8: wgmma takes one dtype for both "
+      f"operands), got a {x.dtype} x: use pallas_gpu or the reference for W8A16"
+    )
+  if mgpu and launch is not None and (launch[0] is not None or (launch[1] or 2) < 2):
+    raise ValueError(
+      f"pallas_mgpu runs one warpgroup: launch is (None, stages) with stages >= 2 (one MMA "
+      f"stays in flight while the next tiles load), got {launch}"
+    )
+  if w_kmajor != mgpu:  # XLA transposes the weight to the layout the implementation reads
+    w = w.T
+  if impl not in ("pallas_gpu", "pallas_mgpu"):
     if split_k not in (None, 1):
-      raise ValueError(f"split_k={split_k} needs the Triton kernel (pallas_gpu), not {impl!r}")
+      raise ValueError(
+        f"split_k={split_k} needs a GPU kernel (pallas_gpu / pallas_mgpu), not {impl!r}"
+      )
     split_k = 1
   elif split_k is None:
-    split_k = auto_split_k(m, n, x.shape[1], tuple(block))
+    auto = mgpu_split_k if mgpu else auto_split_k
+    split_k = auto(m, n, x.shape[1], tuple(block))
   elif not (isinstance(split_k, int) and split_k >= 1 and split_k & (split_k - 1) == 0):
     raise ValueError(f"split_k must be a power of two >= 1, got {split_k!r}")
   return _quant_matmul(x, w, w_scale, x_scale, impl, tuple(block), interpret, launch, split_k)

@@ -92,6 +92,34 @@ def test_quant_matmul_triton_split_k_lowers():
   assert _kernel_calls(_lowered(fn, _qmm_args("w8a8_e4m3", 64, 4096, 4096), "cuda"), "cuda") == 1
 
 
+_MOSAIC_GPU = "@mosaic_gpu_v2("
+
+
+def _mosaic_gpu_lowered(case, m, k, n, **kw) -> str:
+  x_dtype, w_dtype, _ = QMM_CASES[case]
+  args = [S((m, k), x_dtype), S((n, k), w_dtype), S((n,), F32), S((m,), F32)]
+  fn = functools.partial(quant_matmul, impl="pallas_mgpu", w_kmajor=True, **kw)
+  return export.export(jax.jit(fn), platforms=("cuda",))(*args).mlir_module()
+
+
+@pytest.mark.parametrize("shape", QMM_SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("case", [c for c in QMM_CASES if c.startswith("w8a8")])
+def test_quant_matmul_mosaic_gpu_lowers_to_one_kernel(case, shape):
+  # The Hopper-native kernel (TMA pipeline, wgmma on K-major 8-bit tiles): Mosaic GPU's Python
+  # lowering infers the tiles' layouts and shared-memory transforms and checks wgmma's operand
+  # rules (8-bit: both K-major) here; PTX is the device's part. The automatic split included.
+  text = _mosaic_gpu_lowered(case, *shape)
+  assert text.count(_MOSAIC_GPU) == 1 and "xla.gpu.triton" not in text
+
+
+def test_a_mosaic_gpu_pipeline_larger_than_shared_memory_fails_to_lower():
+  # The control: 4 stages of a 128 x 512 x-tile and a 256 x 512 weight tile (768 KiB) cannot
+  # fit Hopper's 227 KiB of shared memory; the default pipeline (4 x 32 KiB) lowers.
+  with pytest.raises(ValueError, match="shared memory"):
+    _mosaic_gpu_lowered("w8a8_e4m3", 128, 4096, 4096, block=(128, 256, 512), launch=(None, 4))
+  assert _mosaic_gpu_lowered("w8a8_e4m3", 128, 4096, 4096).count(_MOSAIC_GPU) == 1
+
+
 @pytest.mark.parametrize("platform", list(PLATFORMS))
 def test_quant_matmul_value_and_gradient_lower_with_the_kernel_forward(platform):
   impl, _ = PLATFORMS[platform]

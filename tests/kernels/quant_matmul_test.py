@@ -8,7 +8,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxrl.kernels.quant_matmul import auto_split_k, quant_matmul, reference, resolve_impl
+from jaxrl.kernels.quant_matmul import (
+  auto_split_k,
+  mgpu_blocks,
+  mgpu_split_k,
+  quant_matmul,
+  reference,
+  resolve_impl,
+)
 from jaxrl.quant import quantize, quantize_activations, quantized_einsum
 
 M, K, N = 10, 40, 24  # blocks (8, 16, 16): short edge blocks on every axis
@@ -112,7 +119,7 @@ def test_auto_is_the_reference_on_cpu_and_bad_inputs_are_named():
     quant_matmul(x.astype(jnp.float8_e4m3fn), w, ws, xs)
   with pytest.raises(ValueError, match="8-bit weight"):
     quant_matmul(x.astype(jnp.float32), w.astype(jnp.float32), ws)
-  with pytest.raises(ValueError, match="split_k=2 needs the Triton kernel"):
+  with pytest.raises(ValueError, match="split_k=2 needs a GPU kernel"):
     quant_matmul(x, w, ws, xs, impl="pallas_tpu", split_k=2)
   with pytest.raises(ValueError, match="split_k must be a power of two"):
     quant_matmul(x, w, ws, xs, impl="pallas_gpu", split_k=3)
@@ -191,3 +198,70 @@ def test_auto_split_k_fills_the_gpu_at_decode_shapes_and_leaves_prefill_alone():
   want = quant_matmul(xq, q.values, q.scale, xs, impl="reference")
   np.testing.assert_allclose(np.asarray(run(xq, q.values, q.scale, xs)), np.asarray(want),
                              rtol=1e-5, atol=1e-6 * float(jnp.abs(want).max()))  # fmt: skip
+
+
+# ------------------------------------------------------------ the Mosaic GPU (Hopper) kernel
+
+W8A8 = [c for c in CASES if c.startswith("w8a8")]
+
+
+@pytest.mark.parametrize("kmajor", [True, False], ids=["w_nk", "w_kn"])
+@pytest.mark.parametrize("split", [1, 2])
+@pytest.mark.parametrize("case", W8A8)
+def test_the_mosaic_gpu_kernel_matches_the_reference_in_interpret_mode(case, split, kmajor):
+  # TMA pipeline into shared memory, wgmma on K-major 8-bit tiles (the interpreter reads the
+  # weight tile's transposed view through jaxrl.kernels.mgpu_interpret). (M, K, N) = (70, 300,
+  # 130) in blocks of 64: two row blocks (the second 58 rows of padding), K padded to 384 = 2
+  # splits x 3 slices (a pipeline 2 deep over 3 steps), three column blocks. int8 partial sums
+  # are int32: equal. fp8: float32 sums in another order. A [K, N] weight (w_kn) is transposed
+  # by XLA before the kernel: the same result.
+  rng = np.random.default_rng(5)
+  m, k, n = 70, 300, 130
+  x_dtype, w_dtype = CASES[case]
+  x = jnp.asarray(rng.normal(size=(m, k)).astype(np.float32))
+  q = quantize(jnp.asarray(rng.normal(size=(k, n)).astype(np.float32)), 1, w_dtype)
+  xq, xs = quantize_activations(x, (1,), x_dtype)
+  want = np.asarray(quant_matmul(xq, q.values, q.scale, xs, impl="reference"))
+  w = q.values.T if kmajor else q.values
+  got = quant_matmul(
+    xq, w, q.scale, xs, impl="pallas_mgpu", block=(64, 64, 64), interpret=True,
+    launch=(None, 2), split_k=split, w_kmajor=kmajor,
+  )  # fmt: skip
+  assert got.shape == (m, n) and got.dtype == jnp.float32
+  if x_dtype == jnp.int8:
+    np.testing.assert_array_equal(np.asarray(got), want)
+  else:
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-6 * np.abs(want).max())
+
+
+def test_the_mosaic_gpu_kernels_blocks_splits_and_bad_inputs():
+  # Blocks: multiples of 64 clipped to the axis rounded up to 64 (decode's few rows -> one
+  # 64-row warpgroup tile); the split fills about one program per SM, as the Triton kernel's.
+  assert mgpu_blocks((128, 128, 128), 16, 4096, 4096) == (64, 128, 128)
+  assert mgpu_blocks((128, 256, 128), 4096, 130, 40) == (128, 192, 64)
+  assert mgpu_split_k(64, 4096, 4096, (128, 128, 128)) == 4  # 32 programs -> 128
+  assert mgpu_split_k(64, 14336, 4096, (128, 128, 128)) == 1  # 112 programs
+  assert mgpu_split_k(4096, 4096, 4096, (128, 128, 128)) == 1
+  assert resolve_impl("auto") == "reference"  # never picked by auto
+  x, w, ws, xs = _operands("w8a8_e4m3")
+  with pytest.raises(ValueError, match="positive multiples of 64 with bn <= 256"):
+    quant_matmul(x, w, ws, xs, impl="pallas_mgpu", block=(64, 96, 64), interpret=True)
+  with pytest.raises(ValueError, match="positive multiples of 64 with bn <= 256"):
+    quant_matmul(x, w, ws, xs, impl="pallas_mgpu", block=(64, 320, 64), interpret=True)
+  with pytest.raises(ValueError, match=r"launch is \(None, stages\)"):
+    quant_matmul(x, w, ws, xs, impl="pallas_mgpu", launch=(8, 3), interpret=True)
+  with pytest.raises(ValueError, match="stages >= 2"):  # one MMA stays in flight
+    quant_matmul(x, w, ws, xs, impl="pallas_mgpu", launch=(None, 1), interpret=True)
+  with pytest.raises(ValueError, match="pallas_mgpu multiplies 8-bit pairs only"):
+    quant_matmul(x.astype(jnp.float32), w, ws, impl="pallas_mgpu", interpret=True)
+  with pytest.raises(ValueError, match=r"w \[N, K\] \(w_kmajor\)"):
+    quant_matmul(x, w, ws, xs, impl="pallas_mgpu", w_kmajor=True, interpret=True)
+  with pytest.raises(ValueError, match="split_k must be a power of two"):
+    quant_matmul(x, w, ws, xs, impl="pallas_mgpu", split_k=3, interpret=True)
+  # K-major weights work with every implementation (the others transpose them back).
+  want = np.asarray(quant_matmul(x, w, ws, xs, impl="reference"))
+  got = quant_matmul(x, w.T, ws, xs, impl="pallas_gpu", block=BLOCK, interpret=True, w_kmajor=True)
+  np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+  np.testing.assert_array_equal(
+    np.asarray(quant_matmul(x, w.T, ws, xs, impl="reference", w_kmajor=True)), want
+  )
