@@ -113,10 +113,13 @@ def paged_attention(
   if window is not None and window <= 0:
     raise ValueError(f"paged attention window={window} must be a positive int (or None)")
   if cache.k_scale is not None:  # fp8 pages: fold each head's scales into q and the output
+    # in float32, each product rounded once to q's dtype (a scale rounded to bfloat16 first
+    # would skew every score or output of its head by the same up to 2**-9).
     kh, n = cache.k_pages.shape[0], q.shape[2]
-    per_head = lambda s: jnp.repeat(s, n // kh).astype(q.dtype)[:, None]  # noqa: E731 [N, 1]
+    per_head = lambda s: jnp.repeat(s.astype(jnp.float32), n // kh)[:, None]  # noqa: E731 [N, 1]
+    fold = lambda x, s: (x.astype(jnp.float32) * per_head(s)).astype(x.dtype)  # noqa: E731
     out = paged_attention(
-      q * per_head(cache.k_scale),
+      fold(q, cache.k_scale),
       cache._replace(k_scale=None, v_scale=None),
       q_positions,
       window=window,
@@ -125,7 +128,7 @@ def paged_attention(
       impl=impl,
       interpret=interpret,
     )
-    return out * per_head(cache.v_scale)
+    return fold(out, cache.v_scale)
   if impl == "pallas_tpu":
     kernel = functools.partial(
       paged_attention_pallas, window=window, soft_cap=soft_cap, scale=scale, interpret=interpret

@@ -199,6 +199,36 @@ def test_fp8_pages_attend_as_their_dequantized_values(impl):
   np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-6, rtol=1e-5)
 
 
+@pytest.mark.parametrize("impl", ["reference", "pallas_tpu"])
+def test_fp8_page_scales_fold_into_a_bfloat16_query_and_output_with_one_rounding(impl):
+  # Every value page holds the same code c, so any softmax gives c and the output must be
+  # c * v_scale rounded once to bfloat16. The scales (values / 448 of odd heads' ranges) are
+  # not bfloat16 numbers: rounding the scale first, then the product, misses by up to 2**-8.
+  q, kp, _, table, lengths, q_pos = _case(5)
+  kq, k_scale = _fp8_pages(kp, 3.0)
+  v_scale = np.array([0.7 / 448, 1.3 / 448], np.float32)
+  vq = np.full(kq.shape, 3.0, ml_dtypes.float8_e4m3fn)
+  cache = PagedKV(
+    jnp.asarray(kq), jnp.asarray(vq), jnp.asarray(table), jnp.asarray(lengths),
+    jnp.asarray(k_scale), jnp.asarray(v_scale),
+  )  # fmt: skip
+  got = paged_attention(
+    jnp.asarray(q, jnp.bfloat16),
+    cache,
+    jnp.asarray(q_pos),
+    impl=impl,
+    interpret=impl != "reference",
+  )
+  assert got.dtype == jnp.bfloat16
+  per_q_head = np.repeat(v_scale, N // K)  # q head n reads kv head n // (N / K)
+  want = (np.float32(3.0) * per_q_head).astype(ml_dtypes.bfloat16)
+  np.testing.assert_array_equal(np.asarray(got), np.broadcast_to(want[:, None], got.shape))
+  twice = (np.float32(3.0) * per_q_head.astype(ml_dtypes.bfloat16).astype(np.float32)).astype(
+    ml_dtypes.bfloat16
+  )
+  assert np.any(twice != want)  # the double rounding this guards against differs here
+
+
 def test_write_kv_quantizes_fp8_pages_by_their_scales_and_saturates():
   # e4m3 keeps 3 mantissa bits: x / scale rounds within 2**-4 relative (normal range); a value
   # past 448 * scale is stored as 448, never inf or NaN.
