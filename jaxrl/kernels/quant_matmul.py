@@ -3,7 +3,7 @@
 or float activations (W8A16: the weight upcast to the activation dtype inside the kernel, never
 materialised as a float copy in memory).
 
-Three implementations of the one contract, chosen by `impl`:
+Four implementations of the one contract, chosen by `impl`:
   reference   pure jnp (`jax.lax.dot` with the accumulator type, then the rescale): the
               definition the kernels are tested against, and what every backend without a
               kernel (CPUs) runs

@@ -1,11 +1,11 @@
 """Every Pallas kernel lowered for its accelerator on this CPU-only machine, through `jax.export`
-with `platforms=("tpu",)` / `("cuda",)`: Pallas's Mosaic TPU and Triton lowerings run in Python,
-so their checks (block shapes against Mosaic's (8, 128) tiling, the dtypes and ops each backend
-takes, the Mosaic dialect's verifier, a Mosaic GPU kernel's shared memory) hold or fail here,
-where the interpret-mode tests (which run the kernels' math) never reach them. What this does not
-cover is the backend compiler behind the custom call: libtpu's (Mosaic's layout passes and
-XLA:TPU, run on this CPU by `tpu_compile_test.py`) and Triton's PTX (the device's part,
-`bench/device_kernels.py`).
+with `platforms=("tpu",)` / `("cuda",)`: Pallas's Mosaic TPU, Triton and Mosaic GPU lowerings run
+in Python, so their checks (block shapes against Mosaic's (8, 128) tiling, the dtypes and ops each
+backend takes, the Mosaic dialect's verifier, wgmma's operand layouts, a Mosaic GPU kernel's
+shared memory) hold or fail here, where the interpret-mode tests (which run the kernels' math)
+never reach them. What this does not cover is the backend compiler behind the custom call:
+libtpu's (Mosaic's layout passes and XLA:TPU, run on this CPU by `tpu_compile_test.py`) and the
+GPU's PTX (the device's part, `bench/device_kernels.py`).
 
 Each case asserts that the lowered module holds exactly the expected number of that backend's
 kernel calls: the dispatch took the kernel, not a reference fallback. The last tests lower the

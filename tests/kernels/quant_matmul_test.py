@@ -1,6 +1,7 @@
-"""The quantized matmul (jaxrl.kernels.quant_matmul): its jnp reference against numpy, both Pallas
-variants (Mosaic TPU, Triton) through the Pallas interpreter against the reference, for W8A8 int8
-and fp8 and W8A16, on shapes that do not divide the blocks; its custom VJP; its errors."""
+"""The quantized matmul (jaxrl.kernels.quant_matmul): its jnp reference against numpy, the Pallas
+variants (Mosaic TPU, Triton; the Hopper-native Mosaic GPU one for W8A8) through the Pallas
+interpreters against the reference, for W8A8 int8 and fp8 and W8A16, on shapes that do not
+divide the blocks; its custom VJP; its errors."""
 
 import jax
 import jax.extend.core
