@@ -9,9 +9,9 @@ For each quantized-matmul case (W8A8 int8, W8A8 fp8 e4m3, W8A16 bf16 x e4m3; `--
 `quant_matmul` with the backend's kernel (pallas_gpu / pallas_tpu) in each `--block` config
 (blocks, Triton launch, K split), compares it with the reference on the same backend (int8:
 equal unless split; fp8 / bf16: relative error), and times both against `jnp.dot` of bf16
-operands. `--matmul-impl=pallas_mgpu` runs these matmul sections with the Hopper-native Mosaic
-GPU kernel instead (TMA pipeline, wgmma; W8A8 only, weights K-major; `--block` entries
-bm,bn,bk[,0,stages][@split_k]). Then one
+operands. `--matmul-impl=pallas_gpu,pallas_mgpu` runs these sections for the Triton kernel and
+then the Hopper-native Mosaic GPU one (TMA pipeline, wgmma; W8A8 only, weights K-major; of a
+`--block` entry's launch it takes the stages, its num_warps being one warpgroup's). Then one
 decode step of paged attention (64 sequences of up to 2,048 keys in 16-token pages, 32 query and
 8 kv heads of 128, bf16 and fp8 pages) through the backend's kernel (`paged_attention`,
 pallas_gpu / pallas_tpu) against the jnp reference that gathers the pages. Then the MoE experts'
@@ -206,6 +206,9 @@ def matmul_cases(
           continue  # the K split is the GPU kernels'
         if kmajor and launch is not None:
           launch = (None, launch[1])  # one warpgroup; (num_warps, stages) -> (None, stages)
+        if kmajor and any(v % 64 for v in block):
+          print(f"  {case} block {block}: not a pallas_mgpu block (multiples of 64), skipped")
+          continue
 
         def one(block=block, launch=launch, split=split, sets=sets, want=want, bf=(t_bf16, a_bf16)):
           kern = jax.jit(
@@ -230,7 +233,7 @@ def matmul_cases(
         if impl in _SPLITS:
           split = _SPLITS[impl](m, n, k, block) if split is None else split
         cfg = {"block": list(block), "launch": None if launch is None else list(launch)}
-        row = run.case(case, one, m=m, k=k, n=n, split_k=split or 1, **cfg)
+        row = run.case(case, one, impl=impl, m=m, k=k, n=n, split_k=split or 1, **cfg)
         _show(
           row,
           f"  bf16 dot {t_bf16 * 1e6:.1f} us (bf16 / kernel {row.get('kernel_vs_bf16', 0):.2f}x;"
@@ -281,7 +284,7 @@ def odd_shape_cases(run: Run, impl: str, interpret: bool, shapes=ODD_SHAPES):
 
         auto = _SPLITS.get(impl)
         resolved = split or (auto(m, n, k, (128, 128, 128)) if auto else 1)
-        row = run.case(f"odd_{case}", one, m=m, k=k, n=n, split_k=resolved)
+        row = run.case(f"odd_{case}", one, impl=impl, m=m, k=k, n=n, split_k=resolved)
         print(f"{row['case']:26s} {(m, k, n)} split {resolved}: {row.get('rel_err_vs_f32')}")
 
 
@@ -489,9 +492,9 @@ def main(argv=None) -> int:
   ap.add_argument(
     "--matmul-impl",
     default="",
-    help="the quantized matmul's kernel for the odd and matmul sections (default: the "
-    "backend's, as `auto` picks it; pallas_mgpu: the Hopper-native Mosaic GPU kernel, W8A8 "
-    "only, K-major weights; its --block launch is 0,stages)",
+    help="the quantized matmul's kernels for the odd and matmul sections, a comma list run in "
+    "turn (default: the backend's, as `auto` picks it; pallas_mgpu: the Hopper-native Mosaic "
+    "GPU kernel, W8A8 only, K-major weights; a --block launch gives it its stages)",
   )
   ap.add_argument(
     "--decode-quant",
@@ -532,25 +535,30 @@ def main(argv=None) -> int:
     "impl": impl,
     "configs": configs,
   })  # fmt: skip
-  mm_impl = args.matmul_impl or impl
-  if mm_impl not in ("pallas_tpu", "pallas_gpu", "pallas_mgpu"):
-    ap.error(f"--matmul-impl {mm_impl!r}: one of pallas_tpu, pallas_gpu, pallas_mgpu")
-  run.meta["matmul_impl"] = mm_impl
+  mm_impls = [v for v in (args.matmul_impl or impl).split(",") if v]
+  if not mm_impls or set(mm_impls) - {"pallas_tpu", "pallas_gpu", "pallas_mgpu"}:
+    ap.error(
+      f"--matmul-impl {args.matmul_impl!r}: a comma list of pallas_tpu, pallas_gpu, pallas_mgpu"
+    )
+  run.meta["matmul_impls"] = mm_impls
   print(
     f"{run.meta['device']} ({backend}), jax {jax.__version__}, kernels {impl}, quantized "
-    f"matmul {mm_impl}",
+    f"matmul {', '.join(mm_impls)}",
     flush=True,
   )
   smoke = args.smoke
   if "odd" not in skip:
-    odd_shape_cases(run, mm_impl, interpret, ((5, 48, 40),) if smoke else ODD_SHAPES)
+    for mm_impl in mm_impls:
+      odd_shape_cases(run, mm_impl, interpret, ((5, 48, 40),) if smoke else ODD_SHAPES)
   if "matmul" not in skip:
     k, ns = (48, (40,)) if smoke else (args.k, tuple(int(v) for v in args.n.split(",")))
     ms = (5,) if smoke else tuple(int(v) for v in args.ms.split(","))
-    if smoke:  # a split, through the interpreter (the Mosaic GPU kernel's blocks are >= 64)
-      configs = [*configs, ((64,) * 3 if mm_impl == "pallas_mgpu" else (16,) * 3, None, 2)]
-    for n in ns:
-      matmul_cases(run, mm_impl, k, n, ms, configs, reps, interpret, cases)
+    for mm_impl in mm_impls:
+      more = []
+      if smoke:  # a split, through the interpreter (the Mosaic GPU kernel's blocks are >= 64)
+        more = [((64,) * 3 if mm_impl == "pallas_mgpu" else (16,) * 3, None, 2)]
+      for n in ns:  # one process, so the kernels' ratios to the bf16 dot compare
+        matmul_cases(run, mm_impl, k, n, ms, [*configs, *more], reps, interpret, cases)
   if "paged" not in skip:
     shape = (
       dict(b=2, n=4, kh=2, h=16, ps=4, m=4)
