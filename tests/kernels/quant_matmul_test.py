@@ -212,10 +212,10 @@ W8A8 = [c for c in CASES if c.startswith("w8a8")]
 def test_the_mosaic_gpu_kernel_matches_the_reference_in_interpret_mode(case, split, kmajor):
   # TMA pipeline into shared memory, wgmma on K-major 8-bit tiles (the interpreter reads the
   # weight tile's transposed view through jaxrl.kernels.mgpu_interpret). (M, K, N) = (70, 300,
-  # 130) in blocks of 64: two row blocks (the second 58 rows of padding), K padded to 384 = 2
-  # splits x 3 slices (a pipeline 2 deep over 3 steps), three column blocks. int8 partial sums
-  # are int32: equal. fp8: float32 sums in another order. A [K, N] weight (w_kn) is transposed
-  # by XLA before the kernel: the same result.
+  # 130) in blocks of 64: two row blocks (the second 6 rows and 58 of padding); K padded to 320
+  # = 5 slices (split 1) or 384 = 2 splits x 3 slices, a pipeline 2 deep over either; three
+  # column blocks. int8 partial sums are int32: equal. fp8: float32 sums in another order. A
+  # [K, N] weight (w_kn) is transposed by XLA before the kernel: the same result.
   rng = np.random.default_rng(5)
   m, k, n = 70, 300, 130
   x_dtype, w_dtype = CASES[case]
