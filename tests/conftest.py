@@ -22,3 +22,10 @@ _cache = os.environ.get("JAXRL_TEST_XLA_CACHE") or os.path.join(
 if _cache != "0":
   jax.config.update("jax_compilation_cache_dir", _cache)
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
+
+
+def pytest_addoption(parser, pluginmanager):
+  # tests/crash_rerun.py: a crashed xdist worker's fault is printed and its test run once more.
+  import crash_rerun
+
+  pluginmanager.register(crash_rerun, "jaxrl_crash_rerun")

@@ -245,6 +245,10 @@ def _kernel_names(text: str, platform: str) -> dict:
   return dict(collections.Counter(re.findall(pattern, text)))
 
 
+# The recorded arguments are abstract and unsharded, so on the mesh the KV pool a program returns
+# (pinned to the engine's sharding) cannot take the donated one's buffer in this export; run on
+# the mesh, the engine does donate it (tests/rollout/engine_test.py, the mesh-placed test).
+@pytest.mark.filterwarnings("ignore:Some donated buffers were not usable")
 @pytest.mark.parametrize("where", ["one_device", "mesh", "mesh_no_context"])
 @pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
 @pytest.mark.parametrize("platform", list(PLATFORMS))

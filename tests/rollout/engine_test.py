@@ -575,7 +575,10 @@ def test_mesh_placed_params_compile_once_across_runs_with_fresh_states():
   want = _run(_engine(), schedule, n_new, SAMPLED, seed=3)
   sizes = []
   for _ in range(3):
-    eng.generate_steps(sharded, eng.init_decode_state(), 3)  # an idle step on a fresh state
+    fresh = eng.init_decode_state()
+    eng.generate_steps(sharded, fresh, 3)  # an idle step on a fresh state
+    # Donated on the mesh too: the step wrote the sharded KV pool in place, no copy of it.
+    assert all(x.is_deleted() for x in jax.tree.leaves((fresh.k_pages, fresh.v_pages)))
     got = _run(eng, schedule, n_new, SAMPLED, seed=3, params=sharded)
     for rid, (tokens, logp) in want.items():
       np.testing.assert_array_equal(got[rid][0], tokens, err_msg=str(rid))
