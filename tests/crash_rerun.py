@@ -3,9 +3,12 @@
 A worker killed by a fatal signal (a native fault in XLA or another C extension) shows up only
 as "worker 'gwN' crashed while running T", and its faulthandler dump goes to a stderr of which CI
 keeps the tail. Each worker writes its dump to a file of its own instead; the controller reads
-it when the worker dies, prints the faulting thread's stack in the summary, and runs T once more
-on the fresh worker xdist starts. A test whose worker crashes twice fails, and every crash is
-listed in the summary and counted in the final line ("1 rerun")."""
+it when the worker dies, prints the faulting thread's stack in the summary, and hands T out once
+more (to a live worker or the one xdist starts in the crashed one's place). A test whose worker
+crashes twice fails, and every crash is listed in the summary and counted in the final line
+("1 rerun"). Written for a crash CI saw once (2026-12-06, in tests/rollout/multiturn_test.py)
+that a fresh-clone run of the same commit and 35 repeats of the test did not reproduce.
+"""
 
 import faulthandler
 import os
