@@ -1,5 +1,6 @@
 """Test session setup: 8 simulated CPU devices (set before jax is imported) and float32 matmuls."""
 
+import gc
 import os
 import tempfile
 
@@ -9,6 +10,7 @@ os.environ["XLA_FLAGS"] = (
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402
+import pytest  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
@@ -25,7 +27,43 @@ if _cache != "0":
 
 
 def pytest_addoption(parser, pluginmanager):
-  # tests/crash_rerun.py: a crashed xdist worker's fault is printed and its test run once more.
-  import crash_rerun
+  # tests/crash_report.py: a crashed xdist worker's faulting stack is printed.
+  import crash_report
 
-  pluginmanager.register(crash_rerun, "jaxrl_crash_rerun")
+  pluginmanager.register(crash_report, "jaxrl_crash_report")
+
+
+# XLA:CPU maps every executable it compiles or loads into the process (a few memory maps per
+# object file), and JAX's caches keep executables alive as long as the process lives: the ~200
+# tests of tests/rollout and two kernel modules add ~13,000 maps to a process. At the kernel's
+# limit (vm.max_map_count, 65530 by default) the next compile or cache load aborts the process:
+# repeating those modules in one process aborted it in its seventh round, at ~60,000 maps, in
+# `deserialize_executable`; the likely cause of the CI crash of 2026-12-06 ("worker 'gw1'
+# crashed" late in the suite). After each test module, a process past a third of the limit drops
+# JAX's in-memory caches, which frees every executable no live object holds; a later module
+# reloads what it needs from the persistent cache above.
+def _map_limit() -> int:
+  try:
+    with open("/proc/sys/vm/max_map_count") as f:
+      return int(f.read())
+  except (OSError, ValueError):
+    return 65530
+
+
+def _map_count() -> int:
+  try:
+    with open("/proc/self/maps", "rb") as f:
+      return sum(1 for _ in f)
+  except OSError:  # not Linux: no such limit to stay under
+    return 0
+
+
+_MAP_BUDGET = _map_limit() // 3
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_executables():
+  yield
+  if _map_count() > _MAP_BUDGET:
+    jax.clear_caches()
+    gc.collect()

@@ -2,12 +2,10 @@
 
 A worker killed by a fatal signal (a native fault in XLA or another C extension) shows up only
 as "worker 'gwN' crashed while running T", and its faulthandler dump goes to a stderr of which CI
-keeps the tail. Each worker writes its dump to a file of its own instead; the controller reads
-it when the worker dies, prints the faulting thread's stack in the summary, and hands T out once
-more (to a live worker or the one xdist starts in the crashed one's place). A test whose worker
-crashes twice fails, and every crash is listed in the summary and counted in the final line
-("1 rerun"). Written for a crash CI saw once (2026-12-06, in tests/rollout/multiturn_test.py)
-that a fresh-clone run of the same commit and 35 repeats of the test did not reproduce.
+keeps only the tail (the CI run of 2026-12-06 showed the dump's last lines: the extension module
+list). Each worker writes its dump to a file of its own instead; when a worker dies the
+controller reads it, adds the faulting thread's frames to T's failure and prints them again in a
+"worker crashes" section just before the short summary. The test fails as before.
 """
 
 import faulthandler
@@ -17,8 +15,7 @@ import tempfile
 
 import pytest
 
-_CRASHES: list[tuple[str, str, str, list[str]]] = []  # (test, worker, outcome, dump lines)
-_RERUN: set[str] = set()
+_CRASHES: list[tuple[str, str, list[str]]] = []  # (test, worker, the dump's summary)
 _NO_DUMP = "no faulthandler dump: a signal Python cannot handle (SIGKILL, e.g. out of memory)"
 
 
@@ -67,7 +64,7 @@ def _fault_summary(lines: list[str]) -> list[str]:
 
 
 @pytest.hookimpl(optionalhook=True)  # a pytest-xdist hook, run by the controller
-def pytest_handlecrashitem(crashitem, report, sched):
+def pytest_handlecrashitem(crashitem, report):
   path = _fault_path(report.node.workerinput)
   try:
     with open(path) as f:
@@ -75,32 +72,16 @@ def pytest_handlecrashitem(crashitem, report, sched):
     os.remove(path)
   except OSError:
     lines = []
-  worker = report.node.gateway.id
-  rerun = crashitem not in _RERUN and hasattr(sched, "mark_test_pending")
-  if rerun:
-    try:
-      sched.mark_test_pending(crashitem)
-    except NotImplementedError:  # a scheduler that cannot hand a test out again
-      rerun = False
-  if rerun:
-    _RERUN.add(crashitem)
-    report.outcome = "rerun"
   summary = _fault_summary(lines) or [_NO_DUMP]
   report.longrepr = "\n".join([str(report.longrepr), *summary])
-  _CRASHES.append((crashitem, worker, "run again" if rerun else "failed", summary))
-
-
-def pytest_report_teststatus(report, config):
-  if report.outcome == "rerun":
-    return "rerun", "R", ("RERUN", {"yellow": True})
-  return None
+  _CRASHES.append((crashitem, report.node.gateway.id, summary))
 
 
 def pytest_terminal_summary(terminalreporter):
   if not _CRASHES:
     return
   terminalreporter.write_sep("=", f"worker crashes: {len(_CRASHES)}", red=True)
-  for test, worker, outcome, summary in _CRASHES:
-    terminalreporter.write_line(f"{test}: worker {worker} crashed; the test {outcome}")
+  for test, worker, summary in _CRASHES:
+    terminalreporter.write_line(f"{test}: worker {worker} crashed")
     for x in summary:
       terminalreporter.write_line(f"  {x}")
