@@ -34,10 +34,13 @@ def pytest_addoption(parser, pluginmanager):
 
 
 # XLA:CPU maps every executable it compiles or loads into the process (a few memory maps per
-# object file), and JAX's caches keep executables alive as long as the process lives: the ~200
-# tests of tests/rollout and two kernel modules add ~13,000 maps to a process. At the kernel's
-# limit (vm.max_map_count, 65530 by default) the next compile or cache load aborts the process:
-# repeating those modules in one process aborted it in its seventh round, at ~60,000 maps, in
+# object file), and an executable lives as long as the jitted function that compiled it: the
+# suite's long-lived objects (test modules' cached engines and models, jitted helpers called at
+# many shapes) keep thousands alive. The ~200 tests of tests/rollout and two kernel modules add
+# ~13,000 maps to a process, and each worker of a whole-suite run passes 21,000 by two thirds of
+# the suite. At the kernel's limit (vm.max_map_count, 65530 by default) the next compile or
+# cache load aborts the process ("LLVM ERROR: Unable to allocate section memory!"): repeating
+# those modules in one process aborted it in its seventh round, at ~60,000 maps, in
 # `deserialize_executable`; the likely cause of the CI crash of 2026-12-06 ("worker 'gw1'
 # crashed" late in the suite). After each test module, a process past a third of the limit drops
 # JAX's in-memory caches, which frees every executable no live object holds; a later module
