@@ -9,21 +9,24 @@ os.environ["XLA_FLAGS"] = (
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-import jax  # noqa: E402
-import pytest  # noqa: E402
-
-jax.config.update("jax_default_matmul_precision", "highest")
-
-# A persistent XLA compilation cache shared by the session's workers: many tests build the same
-# tiny models and trainers and so compile identical programs, and on this CPU compiling is most
-# of the suite's time. Entries are keyed on the program, the backend and the jax/XLA versions,
-# so a hit is the very executable a fresh compile would give. JAXRL_TEST_XLA_CACHE=0 turns it off.
+# A persistent XLA compilation cache shared by the session's workers and every child process
+# they start (set in the environment before jax is imported, so children inherit it): many
+# tests build the same tiny models and trainers, and child runs (notebooks, the CLI, the
+# multi-process workers, a run and its resumption) compile the programs the suite compiled, and
+# on this CPU compiling is most of the suite's time. Entries are keyed on the program, the
+# backend and the jax/XLA versions, so a hit is the very executable a fresh compile would give.
+# JAXRL_TEST_XLA_CACHE=DIR puts it in DIR (an empty one: a cold start), =0 turns it off.
 _cache = os.environ.get("JAXRL_TEST_XLA_CACHE") or os.path.join(
   tempfile.gettempdir(), f"jaxrl-test-xla-cache-{os.getuid()}"
 )
 if _cache != "0":
-  jax.config.update("jax_compilation_cache_dir", _cache)
-  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
+  os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache
+  os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0.2"
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
+
+jax.config.update("jax_default_matmul_precision", "highest")
 
 
 def pytest_addoption(parser, pluginmanager):
@@ -31,6 +34,10 @@ def pytest_addoption(parser, pluginmanager):
   import crash_report
 
   pluginmanager.register(crash_report, "jaxrl_crash_report")
+  # tests/fixtures.py: the shared smoke-config builder and tiny model.
+  import fixtures
+
+  pluginmanager.register(fixtures, "jaxrl_fixtures")
 
 
 # XLA:CPU maps every executable it compiles or loads into the process (a few memory maps per
@@ -70,3 +77,62 @@ def _release_executables():
   if _map_count() > _MAP_BUDGET:
     jax.clear_caches()
     gc.collect()
+
+
+# The tiers (tests/README.md): a test marked `e2e` (whole jobs: config smokes, training runs,
+# notebooks, the CLI's runs, multi-process runs, fault injection, installs, TPU compiles) is of
+# that tier, even in a module marked `integration` (builds and steps an engine, a learner, a
+# model); a test of neither mark is a unit test. The
+# end-to-end tier runs first and the unit tier last, so the longest tests start while both
+# workers are fresh and the shortest fill the end. Tests that share a module-scoped fixture
+# defined in their module (one expensive job asserted by several tests) carry one xdist_group
+# (`--dist loadgroup`, launch/test.sh): the job runs once, on one worker.
+TIERS = ("e2e", "integration", "unit")
+
+
+def tier_of(item) -> str:
+  return next((t for t in TIERS[:2] if item.get_closest_marker(t)), "unit")
+
+
+def _shares_a_module_fixture(item) -> bool:
+  module = getattr(item, "module", None)
+  for defs in item._fixtureinfo.name2fixturedefs.values():
+    fixture = defs[-1]
+    if fixture.scope in ("module", "class") and module is not None:
+      if getattr(fixture.func, "__module__", None) == module.__name__:
+        return True
+  return False
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
+def pytest_collection_modifyitems(config, items):
+  for item in items:
+    if tier_of(item) == "unit":
+      item.add_marker(pytest.mark.unit)
+    if _shares_a_module_fixture(item) and not item.get_closest_marker("xdist_group"):
+      item.add_marker(pytest.mark.xdist_group(item.module.__name__))
+  items.sort(key=lambda item: TIERS.index(tier_of(item)))
+
+
+class _XdistGroups:
+  """pytest-xdist's `--dist loadgroup` sends the tests of one `xdist_group` to one worker by
+  suffixing their node ids with "@group" (`item._nodeid`); pytest 9 keeps a node's id in `_id`,
+  so that suffix never reaches the scheduler and a group's tests were spread over both workers
+  (each running the group's job). This sets it where pytest 9 reads it."""
+
+  @pytest.hookimpl(trylast=True)  # after the groups are marked
+  def pytest_collection_modifyitems(self, config, items):
+    if not getattr(config.option, "loadgroup", False):  # set on the workers of a loadgroup run
+      return
+    from _pytest.nodeid import coerce_node_id
+
+    for item in items:
+      marks = item.iter_markers("xdist_group")
+      names = sorted({str(m.args[0] if m.args else m.kwargs.get("name", "default")) for m in marks})
+      suffix = "@" + "_".join(names)
+      if names and not item.nodeid.endswith(suffix):
+        item._id = coerce_node_id(item.nodeid + suffix)
+
+
+def pytest_configure(config):
+  config.pluginmanager.register(_XdistGroups(), "jaxrl_xdist_groups")

@@ -5,6 +5,10 @@ import contextlib
 import functools
 import json
 import math
+import os
+import signal
+import subprocess
+import time
 
 import jax
 import jax.numpy as jnp
@@ -218,3 +222,74 @@ def small_engine(cfg: ModelConfig, graphdef=None, *, kv_dtype="auto", mesh=None)
     num_pages=32, page_size=4, max_prefill_length=12, max_target_length=32, kv_dtype=kv_dtype,
     mesh=mesh,
   )  # fmt: skip
+
+
+# A bound on a child process's wall time: generous (many times what the slowest child takes
+# alone on a busy 2-core machine), so that it only ever ends a hang, never a slow run.
+CHILD_TIMEOUT_S = 1800
+
+
+def child_env(**extra) -> dict:
+  """This process's environment for a child process (tests/conftest.py has put the suite's
+  compilation cache in it), plus `extra`, with Python's faulthandler on: a child aborted at its
+  bound prints every thread's stack."""
+  return dict(os.environ, PYTHONFAULTHANDLER="1", **extra)
+
+
+def wait_children(procs, timeout: float = CHILD_TIMEOUT_S) -> list[str]:
+  """Wait for child processes started with stdout=PIPE (stderr=STDOUT, text=True): their output,
+  in order. At `timeout` seconds (one deadline for all) each child still running is sent SIGABRT
+  (with `child_env`, its faulthandler prints where every thread was), and the test fails with
+  the tail of every child's output."""
+  deadline = time.monotonic() + timeout
+  logs = []
+  try:
+    for p in procs:
+      try:
+        logs.append(p.communicate(timeout=max(deadline - time.monotonic(), 0.1))[0])
+      except subprocess.TimeoutExpired:
+        for q in procs:
+          if q.poll() is None:
+            q.send_signal(signal.SIGABRT)
+        tails = []
+        for i, q in enumerate(procs):
+          try:
+            out = q.communicate(timeout=30)[0]
+          except subprocess.TimeoutExpired:
+            q.kill()
+            out = q.communicate()[0]
+          tails.append(f"--- child {i} ({' '.join(map(str, q.args))[:200]}):\n{out[-6000:]}")
+        raise AssertionError(
+          f"child processes still running after {timeout:.0f}s (the bound against a hang); "
+          "each was sent SIGABRT, their stacks and output follow:\n" + "\n".join(tails)
+        ) from None
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        p.kill()
+  return logs
+
+
+def run_child(
+  cmd, *, timeout: float = CHILD_TIMEOUT_S, env=None, **kw
+) -> subprocess.CompletedProcess:
+  """`subprocess.run(cmd, capture_output=True, text=True)` under `wait_children`'s bound and
+  report: the completed process (stdout and stderr apart)."""
+  p = subprocess.Popen(
+    cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    env=child_env() if env is None else env, **kw,
+  )  # fmt: skip
+  try:
+    out, err = p.communicate(timeout=timeout)
+  except subprocess.TimeoutExpired:
+    p.send_signal(signal.SIGABRT)
+    try:
+      out, err = p.communicate(timeout=30)
+    except subprocess.TimeoutExpired:
+      p.kill()
+      out, err = p.communicate()
+    raise AssertionError(
+      f"{' '.join(map(str, cmd))[:300]} still running after {timeout:.0f}s (the bound against a "
+      f"hang); sent SIGABRT, its stack and output follow:\n{out[-3000:]}\n{err[-6000:]}"
+    ) from None
+  return subprocess.CompletedProcess(cmd, p.returncode, out, err)
