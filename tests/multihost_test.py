@@ -10,7 +10,6 @@ to its own engine, which samples its half of every batch's prompts, and the two 
 what one process with two devices a side logs, stopped and resumed included."""
 
 import json
-import os
 import socket
 import subprocess
 import sys
@@ -20,6 +19,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from helpers import child_env, run_child, wait_children
 
 from jaxrl import distributed
 
@@ -66,16 +66,14 @@ def _jsonl_files(folder: Path) -> Path:
   return folder
 
 
-def _start(
-  out: Path, processes: int, devices_each: int, hf: Path, files: Path
-) -> list[subprocess.Popen]:
-  out.mkdir()
-  env = os.environ | {
-    "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices_each}",
-    "JAX_PLATFORMS": "cpu",
-  }
-  cmd = [sys.executable, str(WORKER), f"--out={out}", f"--hf={hf}", f"--trainer={out / 'run'}",
-         f"--jsonl={files}"]  # fmt: skip
+def _start(job: str, out: Path, processes: int, devices_each: int, **flags) -> list:
+  """One run of the worker's `job`: `processes` processes of `devices_each` CPU devices."""
+  out.mkdir(parents=True)
+  env = child_env(
+    XLA_FLAGS=f"--xla_force_host_platform_device_count={devices_each}", JAX_PLATFORMS="cpu"
+  )
+  cmd = [sys.executable, str(WORKER), f"--job={job}", f"--out={out}", f"--workdir={out / 'run'}"]
+  cmd += [f"--{k}={v}" for k, v in flags.items()]
   if processes > 1:
     cmd += [f"--coordinator=127.0.0.1:{_free_port()}", f"--num-processes={processes}"]
   return [
@@ -90,25 +88,71 @@ def _start(
   ]
 
 
-def _results(out: Path, procs: list[subprocess.Popen]) -> list[dict]:
-  try:
-    logs = [p.communicate(timeout=600)[0] for p in procs]
-  finally:
-    for p in procs:
-      p.kill()
-  for p, log in zip(procs, logs, strict=True):
-    assert p.returncode == 0, log[-3000:]
-  return [json.loads((out / f"p{i}.json").read_text()) for i in range(len(procs))]
+def _job(base: Path, job: str, **flags) -> tuple[list[dict], list[dict]]:
+  """The worker's `job` run by one process of four devices and by two of two, side by side:
+  what each process wrote (one list per run)."""
+  one = _start(job, base / job / "one", 1, 4, **flags)
+  two = _start(job, base / job / "two", 2, 2, **flags)
+  runs = []
+  for name, procs in (("one", one), ("two", two)):
+    logs = wait_children(procs)
+    for p, log in zip(procs, logs, strict=True):
+      assert p.returncode == 0, log[-3000:]
+    runs.append([json.loads((base / job / name / f"p{i}.json").read_text())
+                 for i in range(len(procs))])  # fmt: skip
+  return runs[0], runs[1]
+
+
+# Three independent jobs, each a module fixture of its own xdist group: the suite's two workers
+# run them side by side. Each job runs once per worker, however often pytest-xdist tears its
+# module fixture down (a group's tests can reach the worker in several batches).
+_DONE: dict[str, tuple[list[dict], list[dict]]] = {}
+
+
+def _once(tmp_path_factory, job: str, **flags) -> tuple[list[dict], list[dict]]:
+  if job not in _DONE:
+    base = tmp_path_factory.mktemp("multihost")
+    made = {k: f(base) for k, f in flags.items()}
+    _DONE[job] = _job(base, job, **made)
+  return _DONE[job]
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-  base = tmp_path_factory.mktemp("multihost")
-  hf, files = _checkpoint(base / "hf"), _jsonl_files(base / "files")
-  one, two = _start(base / "one", 1, 4, hf, files), _start(base / "two", 2, 2, hf, files)
-  return _results(base / "one", one), _results(base / "two", two)
+  """The core job: train steps, an HF load, JSONL and Parquet reads, shares and a failure."""
+  return _once(
+    tmp_path_factory,
+    "core",
+    hf=lambda base: _checkpoint(base / "hf"),
+    jsonl=lambda base: _jsonl_files(base / "files"),
+  )
 
 
+@pytest.fixture(scope="module")
+def trainer_runs(tmp_path_factory):
+  """The default job's smoke (and, on two processes, stopped and resumed), then exchanges."""
+  return _once(tmp_path_factory, "trainer")
+
+
+@pytest.fixture(scope="module")
+def split_runs(tmp_path_factory):
+  """The smoke with the split placement (and, on two processes, stopped and resumed)."""
+  return _once(tmp_path_factory, "split")
+
+
+def _of(job: str):
+  """Marks a test asserting on `job`'s runs: end-to-end, in that job's xdist group."""
+
+  def mark(test):
+    return pytest.mark.e2e(pytest.mark.xdist_group(f"multihost_{job}")(test))
+
+  return mark
+
+
+core, trainer, split = _of("core"), _of("trainer"), _of("split")
+
+
+@core
 def test_two_processes_form_one_mesh_and_split_the_rows(runs):
   (one,), two = runs
   assert not one["joined"] and one["process_count"] == 1 and one["rows"] == list(range(16))
@@ -121,6 +165,7 @@ def test_two_processes_form_one_mesh_and_split_the_rows(runs):
   assert one["params_split_across_processes"] == 0
 
 
+@core
 def test_two_processes_take_the_steps_of_one(runs):
   (one,), two = runs
   for p in two:  # every process sees the same (replicated) metrics and gathered params
@@ -136,6 +181,7 @@ def test_two_processes_take_the_steps_of_one(runs):
       np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max(), err_msg=name)
 
 
+@core
 def test_each_process_reads_only_its_share_of_the_hf_weights(runs):
   (one,), two = runs
   # One process holds every block of every param (4 devices) and reads each distinct one once.
@@ -149,9 +195,10 @@ def test_each_process_reads_only_its_share_of_the_hf_weights(runs):
   assert one["hf"]["read"] < two[0]["hf"]["read"] + two[1]["hf"]["read"] < 2 * one["hf"]["read"]
 
 
+@core
 def test_each_process_indexes_and_reads_only_its_share_of_a_jsonl_file(runs):
   (one,), two = runs
-  size = (Path(one["out"]).parent / "files" / "good.jsonl").stat().st_size
+  size = (Path(one["out"]).parents[1] / "files" / "good.jsonl").stat().st_size
   scans = one["jsonl"]["scans"]  # good.jsonl, then bad.jsonl (read up to its bad line 50)
   assert scans[0] == [0, size, 60] and scans[1][2] == 50 and len(scans) == 2
   half = (size + 1) // 2
@@ -173,6 +220,7 @@ def test_each_process_indexes_and_reads_only_its_share_of_a_jsonl_file(runs):
   )
 
 
+@core
 def test_each_process_checks_only_its_share_of_a_parquet_files_row_groups(runs):
   (one,), two = runs
   # 51 rows in 7 groups of 8 (0-7, ..., 48-50): groups 0-3 are process 0's, 4-6 process 1's.
@@ -190,8 +238,9 @@ def test_each_process_checks_only_its_share_of_a_parquet_files_row_groups(runs):
                                           "'no final answer'")  # fmt: skip
 
 
-def test_two_processes_run_the_default_jobs_smoke_as_one(runs, tmp_path_factory):
-  (one,), two = runs
+@trainer
+def test_two_processes_run_the_default_jobs_smoke_as_one(trainer_runs):
+  (one,), two = trainer_runs
   base = Path(one["out"]).parent
   logs = {}
   for name in ("one", "two"):
@@ -233,8 +282,9 @@ def _assert_resumed_repeats(base: Path, full: str, resumed: str) -> None:
     }, a["step"]
 
 
-def test_a_resumed_two_process_run_repeats_the_uninterrupted_one(runs):
-  (one,), _ = runs
+@trainer
+def test_a_resumed_two_process_run_repeats_the_uninterrupted_one(trainer_runs):
+  (one,), _ = trainer_runs
   base = Path(one["out"]).parent / "two"
   _assert_resumed_repeats(base, "run", "run_resumed")
   summary = {n: json.loads((base / n / "summary.json").read_text()) for n in ("run", "run_resumed")}
@@ -247,8 +297,9 @@ def test_a_resumed_two_process_run_repeats_the_uninterrupted_one(runs):
 ENGINE_CALLS = ("rollout/prefill_calls", "rollout/generate_calls", "rollout/decode_steps")
 
 
-def test_a_split_placement_over_two_processes_takes_the_steps_of_one(runs):
-  (one,), two = runs
+@split
+def test_a_split_placement_over_two_processes_takes_the_steps_of_one(split_runs):
+  (one,), two = split_runs
   # One process: 2 learner and 2 sampler devices. Two: each gives one device to each side.
   assert one["split_run"] == {
     "learner": {"processes": [0], "local": 2},
@@ -265,8 +316,8 @@ def test_a_split_placement_over_two_processes_takes_the_steps_of_one(runs):
     "rl.placement.kind='colocated'"
   )
   base = Path(one["out"]).parent
-  a = _metrics(base / "one" / "run_split" / "metrics.jsonl")
-  b = _metrics(base / "two" / "run_split" / "metrics.jsonl")
+  a = _metrics(base / "one" / "run" / "metrics.jsonl")
+  b = _metrics(base / "two" / "run" / "metrics.jsonl")
   assert [(r["phase"], r["step"]) for r in b] == [(r["phase"], r["step"]) for r in a]
   rl = [r for r in b if r["phase"] == "rl"]
   assert len(rl) == 3 and [r["async/staleness_max"] for r in rl] == [0.0, 1.0, 1.0]
@@ -289,13 +340,15 @@ def test_a_split_placement_over_two_processes_takes_the_steps_of_one(runs):
   assert all(r["opt/grad_norm"] > 0 for r in rl)
 
 
-def test_a_resumed_split_placement_over_two_processes_repeats_the_uninterrupted_one(runs):
-  (one,), _ = runs
-  _assert_resumed_repeats(Path(one["out"]).parent / "two", "run_split", "run_split_resumed")
+@split
+def test_a_resumed_split_placement_over_two_processes_repeats_the_uninterrupted_one(split_runs):
+  (one,), _ = split_runs
+  _assert_resumed_repeats(Path(one["out"]).parent / "two", "run", "run_resumed")
 
 
-def test_each_process_reads_and_scores_only_its_share(runs):
-  (one,), two = runs
+@trainer
+def test_each_process_reads_and_scores_only_its_share(trainer_runs):
+  (one,), two = trainer_runs
   whole = one["work"]
   assert whole["records"] > 0 and whole["scored"] > 0
   for key in ("records", "scored"):
@@ -304,6 +357,7 @@ def test_each_process_reads_and_scores_only_its_share(runs):
     assert [p["work"][key] for p in two] == [whole[key] // 2] * 2, key
 
 
+@core
 def test_shares_are_exchanged_and_a_failure_reaches_every_process(runs):
   (one,), two = runs
   assert one["shares"] == [[[0, i] for i in range(5)]] and one["failure"] is None
@@ -315,8 +369,9 @@ def test_shares_are_exchanged_and_a_failure_reaches_every_process(runs):
   )
 
 
-def test_exchanges_travel_in_chunks_and_leave_only_the_last_one_behind(runs):
-  (one,), two = runs
+@trainer
+def test_exchanges_travel_in_chunks_and_leave_only_the_last_one_behind(trainer_runs):
+  (one,), two = trainer_runs
   assert one["exchange"]["got"] == [[[i, 0, 3 << 20 if i == 1 else 0, [1] if i == 1 else []]]
                                     for i in range(3)]  # fmt: skip
   for p in two:
@@ -343,12 +398,12 @@ def test_share_splits_items_as_array_split():
 
 
 def test_launch_train_names_a_bad_multiprocess_environment(tmp_path):
-  env = os.environ | {distributed.COORDINATOR_ENV: "localhost:1234", "JAX_PLATFORMS": "cpu"}
+  env = child_env(JAX_PLATFORMS="cpu") | {distributed.COORDINATOR_ENV: "localhost:1234"}
   env.pop(distributed.NUM_PROCESSES_ENV, None)
-  out = subprocess.run(
+  out = run_child(
     [sys.executable, "-m", "launch.train", "--config=configs/grpo_arith.py:smoke",
      f"--config.workdir={tmp_path / 'run'}"],
-    env=env, capture_output=True, text=True, cwd=WORKER.parent.parent, timeout=300,
+    env=env, cwd=WORKER.parent.parent,
   )  # fmt: skip
   assert out.returncode != 0
   assert out.stderr.strip().splitlines()[-1] == (

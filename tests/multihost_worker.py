@@ -1,19 +1,27 @@
-"""One process of tests/multihost_test.py: join the run, build the tiny model on a 4-device mesh
-(fsdp over every device, so params and the batch are split across the processes), supply only
-this process's rows of a 16-row GRPO batch, take two train steps, write what it saw. With --hf,
-first load that HF checkpoint onto the same mesh, counting what this process reads of it. With
---trainer, then run the default job's `:smoke` (4 SFT steps, 2 RL steps with an entropy bonus,
-so every step has a gradient) in that workdir, every process in the same one, counting the
-training records this process made and the completions it scored; with several processes, the
-same job again in WORKDIR_resumed, stopped after one RL step and resumed; then the same job with
-the split placement in WORKDIR_split (and, with several processes, WORKDIR_split_resumed,
-stopped and resumed). With --jsonl, first
-index DIR/good.jsonl as a JSONL task and read batches and held-out records from it, noting which
-bytes this process scanned and how many records it read, then index DIR/bad.jsonl (one bad line);
-then the same for DIR/good.parquet and DIR/bad.parquet, noting which row groups it read.
+"""One process of tests/multihost_test.py, doing one of three independent jobs (so that the
+test's two workers can run them side by side):
 
-  python tests/multihost_worker.py --out=DIR [--coordinator=HOST:PORT --num-processes=N]
-                                   [--hf=CHECKPOINT_DIR] [--trainer=WORKDIR] [--jsonl=DIR]
+--job=core: join the run, build the tiny model on a 4-device mesh (fsdp over every device, so
+params and the batch are split across the processes), supply only this process's rows of a
+16-row GRPO batch, take two train steps, write what it saw. With --hf, first load that HF
+checkpoint onto the same mesh, counting what this process reads of it. With --jsonl, index
+DIR/good.jsonl as a JSONL task and read batches and held-out records from it, noting which bytes
+this process scanned and how many records it read, then index DIR/bad.jsonl (one bad line); then
+the same for DIR/good.parquet and DIR/bad.parquet, noting which row groups it read. Then gather
+shares of a list across the processes, one process failing on its share.
+
+--job=trainer: run the default job's `:smoke` (4 SFT steps, 2 RL steps with an entropy bonus,
+so every step has a gradient) in --workdir, every process in the same one, counting the training
+records this process made and the completions it scored; with several processes, the same job
+again in WORKDIR_resumed, stopped after one RL step and resumed. Then three exchanges between
+the processes, one larger than a key-value entry, and the exchange keys left behind.
+
+--job=split: the same job with the split placement in --workdir (and, with several processes,
+WORKDIR_resumed, stopped and resumed).
+
+  python tests/multihost_worker.py --job=core|trainer|split --out=DIR
+                                   [--coordinator=HOST:PORT --num-processes=N]
+                                   [--hf=CHECKPOINT_DIR] [--jsonl=DIR] [--workdir=WORKDIR]
   (the process index comes from JAXRL_PROCESS_ID; XLA_FLAGS sets the devices per process)
 """
 
@@ -28,6 +36,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/helpers.py
 from jaxrl import distributed  # noqa: E402  (before anything else touches jax's devices)
 
 ROWS, LENGTH = 16, 12
+# The trainer jobs run the default job's `:smoke` as a user would: its own model (not the suite's
+# tiny one), progress bars and TensorBoard, which smoke_configdict's test defaults turn off.
+AS_SMOKE = {"model": {"preset": "arith_small"}, "log": {"progress": True, "tensorboard": True}}
 
 
 def _row(i: int, vocab: int) -> dict:
@@ -53,15 +64,43 @@ def _row(i: int, vocab: int) -> dict:
 
 def main() -> None:
   ap = argparse.ArgumentParser()
+  ap.add_argument("--job", required=True, choices=("core", "trainer", "split"))
   ap.add_argument("--out", required=True)
   ap.add_argument("--coordinator", default="")
   ap.add_argument("--num-processes", type=int, default=1)
   ap.add_argument("--hf", default="")
-  ap.add_argument("--trainer", default="")
   ap.add_argument("--jsonl", default="")
+  ap.add_argument("--workdir", default="")
   args = ap.parse_args()
   joined = distributed.initialize(args.coordinator, args.num_processes)
 
+  import jax
+
+  seen = {
+    "out": str(Path(args.out).resolve()),
+    "joined": joined,
+    "process_count": jax.process_count(),
+    "devices": jax.device_count(),
+    "local_devices": jax.local_device_count(),
+  }
+  several = jax.process_count() > 1
+  if args.job == "core":
+    seen |= _core(args.hf, args.jsonl)
+  elif args.job == "trainer":
+    seen["work"] = _trainer(args.workdir)
+    if several:  # the same job, preempted after 1 RL step
+      _trainer(args.workdir + "_resumed", until=1)
+    seen["exchange"] = _exchange()
+  else:
+    seen["split_run"] = _split(args.workdir)
+    if several:  # preempted after 1 RL step
+      _split(args.workdir + "_resumed", until=1)
+  out = Path(args.out) / f"p{jax.process_index()}.json"
+  out.write_text(json.dumps(seen))
+
+
+def _core(hf_dir: str, files_dir: str) -> dict:
+  """The train steps on the 4-device mesh, the HF load, the JSONL and Parquet reads, the shares."""
   import jax
   import numpy as np
   import optax
@@ -74,7 +113,7 @@ def main() -> None:
   from jaxrl.rl.objectives import PolicyLoss
   from jaxrl.rl.train_step import Optimizer, init_state, make_train_step
 
-  hf = _load_hf(args.hf) if args.hf else None
+  hf = _load_hf(hf_dir) if hf_dir else None
   cfg = ModelConfig.tiny()
   graphdef, params = make_model(cfg, seed=3)
   init = jax.tree.map(np.asarray, params)
@@ -101,28 +140,15 @@ def main() -> None:
     )
   }
   split = sum(not x.is_fully_addressable for x in jax.tree.leaves(state.params))
-  files = _jsonl(args.jsonl) if args.jsonl else None
-  tables = _parquet(args.jsonl) if args.jsonl else None
-  work = _trainer(args.trainer) if args.trainer else None
-  if args.trainer and jax.process_count() > 1:  # the same job, preempted after 1 RL step
-    _trainer(args.trainer + "_resumed", until=1)
-  split_run = _split(args.trainer + "_split") if args.trainer else None
-  if args.trainer and jax.process_count() > 1:  # and the split one, preempted after 1 RL step
-    _split(args.trainer + "_split_resumed", until=1)
+  files = _jsonl(files_dir) if files_dir else None
+  tables = _parquet(files_dir) if files_dir else None
   shares = distributed.gather_shares(lambda rows: [(jax.process_index(), i) for i in rows], 5)
   try:  # process 1 fails on its share: every process must raise, none wait forever
     distributed.gather_shares(lambda rows: [1 / (jax.process_index() != 1)], 5)
     failure = None
   except Exception as e:
     failure = f"{type(e).__name__}: {e}"
-  exchange = _exchange()
-  out = Path(args.out) / f"p{jax.process_index()}.json"
-  out.write_text(json.dumps({
-    "out": str(Path(args.out).resolve()),
-    "joined": joined,
-    "process_count": jax.process_count(),
-    "devices": jax.device_count(),
-    "local_devices": jax.local_device_count(),
+  return {
     "rows": rows.tolist(),
     "params_split_across_processes": split,
     "metrics": metrics,
@@ -131,12 +157,9 @@ def main() -> None:
     "hf": hf,
     "jsonl": files,
     "parquet": tables,
-    "work": work,
-    "split_run": split_run,
     "shares": shares,
     "failure": failure,
-    "exchange": exchange,
-  }))  # fmt: skip
+  }
 
 
 def _load_hf(path: str) -> dict:
@@ -246,8 +269,10 @@ def _trainer(workdir: str, until: int | None = None) -> dict:
   resume it in a new Trainer); how many training records this process made (SFT's and RL's
   prompt batches) and how many completions it scored (RL's and evaluation's)."""
 
+  from fixtures import smoke_configdict
+
   from jaxrl import rewards
-  from jaxrl.config import config_module, validate
+  from jaxrl.config import validate
   from jaxrl.data.arithmetic import ArithmeticTask
   from jaxrl.rl.loop import Trainer
 
@@ -263,9 +288,9 @@ def _trainer(workdir: str, until: int | None = None) -> dict:
     return compute(fn, completions, records, **kw)
 
   ArithmeticTask.sample, rewards.compute_rewards = counting_sample, counting_compute
-  c = config_module(Path(__file__).resolve().parent.parent / "configs" / "grpo_arith.py")
-  c = c.get_config("smoke")
-  c.workdir, c.sft.steps, c.rl.steps, c.rl.loss.entropy_coef = workdir, 4, 2, 0.01
+  c = smoke_configdict(
+    workdir, sft={"steps": 4}, rl={"steps": 2, "loss": {"entropy_coef": 0.01}}, **AS_SMOKE
+  )
   try:
     for stop in [until, None] if until else [None]:
       trainer = Trainer(validate(c))
@@ -303,14 +328,21 @@ def _split(workdir: str, until: int | None = None) -> dict:
   `_trainer`): which processes' devices each sub-mesh holds, and how many of this process's
   devices each side has."""
   import jax
+  from fixtures import smoke_configdict
 
-  from jaxrl.config import config_module, validate
+  from jaxrl.config import validate
   from jaxrl.rl.loop import Trainer
 
-  c = config_module(Path(__file__).resolve().parent.parent / "configs" / "grpo_arith.py")
-  c = c.get_config("smoke")
-  c.workdir, c.sft.steps, c.rl.steps, c.rl.loss.entropy_coef = workdir, 4, 3, 0.01
-  c.rl.placement.kind, c.rl.placement.max_staleness = "split", 1
+  c = smoke_configdict(
+    workdir,
+    sft={"steps": 4},
+    rl={
+      "steps": 3,
+      "loss": {"entropy_coef": 0.01},
+      "placement": {"kind": "split", "max_staleness": 1},
+    },
+    **AS_SMOKE,
+  )
   seen = {}
   if jax.process_count() > 1 and until is None:  # groups in flight per engine: refused
     from jaxrl.config import ConfigError
