@@ -9,6 +9,9 @@ layouts) as it would on the device. Nothing runs. One JSON line per case on stdo
 
   python tests/kernels/tpu_aot.py kernels v5e:2x2     # every kernel variant at its test shapes
   python tests/kernels/tpu_aot.py engine v5e:2x2      # the engine's programs, dense and MoE
+  python tests/kernels/tpu_aot.py engine v5e:2x2,v6e:2x2   # each topology in turn, one process
+
+Each topology's lines follow its head line {"topology", "device_kind"}.
 """
 
 from __future__ import annotations
@@ -135,26 +138,37 @@ def _abstract(tree, shardings):
   return jax.tree.map(one, tree)
 
 
+@functools.cache
+def _engine_programs(moe: bool):
+  """(cfg, params, fp8 params, the engine's programs and their arguments), recorded on this CPU
+  once per process: the same for every topology."""
+  from helpers import perturbed_model
+
+  from jaxrl.models import ModelConfig
+  from jaxrl.quant import quantize_params
+
+  cfg = ModelConfig.tiny().replace(head_dim=16)
+  if moe:
+    cfg = cfg.replace(num_experts=5, experts_per_token=2, moe_mlp_dim=22)
+  _, params = perturbed_model(cfg)
+  qparams = quantize_params(params, "fp8")
+  return cfg, params, qparams, lt._program_args(cfg, qparams, "fp8")
+
+
 def engine(topo) -> None:
   """The engine's prefill, insert and multi-step decode with every kernel at its call site (fp8
   weights, fp8 pages), dense and MoE, on one chip and on a mesh of the topology's every device
   (fsdp x tensor 2)."""
-  from helpers import perturbed_model, small_engine
+  from helpers import small_engine
 
   from jaxrl.mesh import make_mesh, param_shardings
-  from jaxrl.models import ModelConfig
-  from jaxrl.quant import _map_projections, quantize_params, quantized_sharding
+  from jaxrl.quant import _map_projections, quantized_sharding
 
   kernels_on = dict(
     attention_kernel="pallas_tpu", matmul_kernel="pallas_tpu", moe_kernel="pallas_tpu"
   )
   for moe in (False, True):
-    cfg = ModelConfig.tiny().replace(head_dim=16)
-    if moe:
-      cfg = cfg.replace(num_experts=5, experts_per_token=2, moe_mlp_dim=22)
-    _, params = perturbed_model(cfg)
-    qparams = quantize_params(params, "fp8")
-    programs = lt._program_args(cfg, qparams, "fp8")  # recorded on this CPU
+    cfg, params, qparams, programs = _engine_programs(moe)
     for where in ("one chip", "mesh"):
       if where == "one chip":
         mesh, rest = None, SingleDeviceSharding(topo.devices[0])
@@ -183,14 +197,16 @@ def engine(topo) -> None:
 
 
 def main() -> None:
-  what, topology = sys.argv[1], sys.argv[2]
-  topo = topologies.get_topology_desc(topology_name=topology, platform="tpu")
-  print(json.dumps({"topology": topology, "device_kind": topo.devices[0].device_kind}), flush=True)
-  try:
-    {"kernels": kernels, "engine": engine}[what](topo)
-  except Exception:
-    traceback.print_exc()
-    raise
+  what, names = sys.argv[1], sys.argv[2].split(",")
+  for topology in names:
+    topo = topologies.get_topology_desc(topology_name=topology, platform="tpu")
+    head = {"topology": topology, "device_kind": topo.devices[0].device_kind}
+    print(json.dumps(head), flush=True)
+    try:
+      {"kernels": kernels, "engine": engine}[what](topo)
+    except Exception:
+      traceback.print_exc()
+      raise
 
 
 if __name__ == "__main__":

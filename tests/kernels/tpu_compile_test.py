@@ -9,17 +9,19 @@ v6e). Each case must compile and hold exactly its Mosaic kernel calls; the contr
 of 2048^3, which lower fine) must be refused for VMEM on every generation, or the compile checks
 nothing.
 
-Each topology runs in a child process (`tpu_aot.py`) with libtpu on its path and JAX_PLATFORMS=cpu:
-libtpu stays out of this session's jax, which runs on CPU devices.
+The kernels for every topology compile in one child process (`tpu_aot.py`), the engine's programs
+in another, each with libtpu on its path and JAX_PLATFORMS=cpu: libtpu stays out of this
+session's jax, which runs on CPU devices.
 """
 
+import functools
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from helpers import child_env, run_child
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
@@ -40,26 +42,40 @@ def _libtpu_dir() -> Path:
   )
 
 
-def _compile(what: str, topology: str) -> tuple[dict, dict[str, dict]]:
+@functools.cache  # once per worker, however often pytest-xdist tears the module fixture down
+def _compile(what: str, topologies: tuple[str, ...]) -> dict[str, tuple[dict, dict[str, dict]]]:
+  """Compile `what` for each topology in turn, in one child process (the engine's programs are
+  recorded once for all): per topology, its head line and its cases by name."""
   # ALLOW_MULTIPLE_LIBTPU_LOAD: libtpu otherwise takes a machine-wide lock, and the pytest workers
   # compile for several topologies at once.
-  env = dict(os.environ, JAX_PLATFORMS="cpu", ALLOW_MULTIPLE_LIBTPU_LOAD="1")
+  env = child_env(JAX_PLATFORMS="cpu", ALLOW_MULTIPLE_LIBTPU_LOAD="1")
   env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(_libtpu_dir()), env.get("PYTHONPATH")]))
   env.pop("JAX_COMPILATION_CACHE_DIR", None)
-  run = subprocess.run(
-    [sys.executable, str(HERE / "tpu_aot.py"), what, topology],
-    capture_output=True,
-    text=True,
-    env=env,
-    timeout=900,
-  )
+  run = run_child([sys.executable, str(HERE / "tpu_aot.py"), what, ",".join(topologies)], env=env)
   lines = [json.loads(ln) for ln in run.stdout.splitlines() if ln.startswith("{")]
   assert run.returncode == 0 and lines, run.stderr[-4000:]
-  head = lines[0]
-  for line in lines[1:]:
-    if "case" not in line:
+  out = {}
+  for line in lines:
+    if "topology" in line:
+      head, cases = out[line["topology"]] = (line, {})
+    elif "case" in line:
+      cases[line["case"]] = line
+    else:
       head.update(line)
-  return head, {r["case"]: r for r in lines[1:] if "case" in r}
+  assert tuple(out) == topologies, list(out)
+  return out
+
+
+# One child process per kind of program, each a module fixture in an xdist group of its own: the
+# two run side by side on the suite's two workers.
+@pytest.fixture(scope="module")
+def kernel_compiles():
+  return _compile("kernels", tuple(KERNEL_TOPOLOGIES))
+
+
+@pytest.fixture(scope="module")
+def engine_compiles():
+  return _compile("engine", tuple(ENGINE_TOPOLOGIES))
 
 
 # The 8-bit codes each generation's MXU does not take (upcast to bf16 in VMEM by the quantized
@@ -72,10 +88,12 @@ MXU_UPCAST = {
 }
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
+@pytest.mark.xdist_group("tpu_kernels")
 @pytest.mark.parametrize("topology", KERNEL_TOPOLOGIES)
-def test_every_tpu_kernel_compiles_with_libtpu(topology):
-  head, cases = _compile("kernels", topology)
+def test_every_tpu_kernel_compiles_with_libtpu(topology, kernel_compiles):
+  head, cases = kernel_compiles[topology]
+  cases = dict(cases)
   assert head["device_kind"].startswith("TPU v" + topology[1])
   # On v4 the W8A8 kernels compile only through the upcast (without it libtpu refuses them:
   # "CompileTimeMosaicUnsupportedRhsType"); elsewhere int8 stays on the MXU as int8.
@@ -94,13 +112,14 @@ def test_every_tpu_kernel_compiles_with_libtpu(topology):
   assert {c: n for c, n in calls.items() if n != 1} == {}
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
+@pytest.mark.xdist_group("tpu_engine")
 @pytest.mark.parametrize("topology", ENGINE_TOPOLOGIES)
-def test_the_engines_programs_compile_with_every_tpu_kernel(topology):
+def test_the_engines_programs_compile_with_every_tpu_kernel(topology, engine_compiles):
   # Two layers: 7 quantized projections each (or 4 and 3 expert matmuls), one paged attention per
   # layer in decode; the insert has none. On the mesh (the topology's 4 chips, fsdp 2 x tensor 2)
   # each kernel runs in its shard_map.
-  _, cases = _compile("engine", topology)
+  _, cases = engine_compiles[topology]
   failed = {c: r["error"][:600] for c, r in cases.items() if not r["ok"]}
   assert not failed, failed
   want = {"_prefill_jit": 14, "_insert_jit": 0, "_generate_steps_jit": 16}
@@ -113,7 +132,7 @@ def test_the_engines_programs_compile_with_every_tpu_kernel(topology):
   assert {c: r["calls"] for c, r in cases.items()} == expected
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_a_grpo_train_step_and_the_engines_decode_compile_for_a_tpu_slice(tmp_path):
   # bench/tpu_aot.py, which compiles a preset's whole GRPO update (loss, backward, AdamW over
   # fsdp-sharded params and moments) and its fp8 decode for a pod slice, on the tiny model and a
@@ -122,7 +141,9 @@ def test_a_grpo_train_step_and_the_engines_decode_compile_for_a_tpu_slice(tmp_pa
   out = tmp_path / "aot.json"
   cmd = [sys.executable, str(ROOT / "bench" / "tpu_aot.py"), "--preset=tiny", "--topology=v5e:2x2"]
   cmd += ["--fsdp=2", "--tensor=2", "--batch=8", "--seq=32", "--slots=4", f"--out={out}"]
-  run = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+  env = child_env()
+  env.pop("JAX_COMPILATION_CACHE_DIR", None)  # as for the other TPU compiles
+  run = run_child(cmd, env=env)
   assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
   (report,) = json.loads(out.read_text())["runs"]
   result = report["result"]
