@@ -7,11 +7,11 @@ import re
 import jax
 import numpy as np
 import pytest
+from fixtures import smoke_config
 from flax import nnx
 from helpers import rl_metric_lines
 
-import configs.grpo_arith as grpo_arith
-from jaxrl.config import RewardConfig, validate
+from jaxrl.config import RewardConfig
 from jaxrl.data.arithmetic import careless
 from jaxrl.quant import BlockQArray, QArray, quantize_weight
 from jaxrl.rl.loop import Trainer
@@ -19,18 +19,13 @@ from jaxrl.rollout.sampling import SamplingParams
 
 
 def _config(workdir, **rl):
-  c = grpo_arith.get_config("smoke")
-  c.workdir = str(workdir)
-  c.log.progress = False
-  c.log.tensorboard = False
-  c.model.preset = "tiny"
-  c.sft.steps = 10
-  c.rl.steps = 4
-  c.eval.every = 2
-  c.eval.num_examples = 16
-  c.checkpoint.every = 2
-  c.rl.update(rl)
-  return validate(c)
+  return smoke_config(
+    workdir,
+    sft={"steps": 10},
+    rl={"steps": 4, **rl},
+    eval={"every": 2, "num_examples": 16},
+    checkpoint={"every": 2},
+  )
 
 
 def _pointers(tree):
@@ -40,17 +35,31 @@ def _pointers(tree):
   ]
 
 
-@pytest.fixture(scope="module", params=["continuous", "static"])
+# (the engine's batching, the KL coefficient): the default job (continuous batching, beta = 0, so
+# rl.skip_zero_advantage='auto' trains only the rows with an advantage) and a run with a KL term
+# to the reference (which turns the skipping off: every update takes the whole batch).
+RUNS = {"default": ("continuous", 0.0), "static-kl": ("static", 0.05)}
+
+
+@pytest.fixture(scope="module", params=list(RUNS))
 def run_with_spy(request, tmp_path_factory):
-  cfg = _config(tmp_path_factory.mktemp("spy"), kl={"beta": 0.05})
+  batching, beta = RUNS[request.param]
+  cfg = _config(tmp_path_factory.mktemp("spy"), kl={"beta": beta})
   cfg = dataclasses.replace(
     cfg,
-    rl=dataclasses.replace(
-      cfg.rl, rollout=dataclasses.replace(cfg.rl.rollout, batching=request.param)
-    ),
+    rl=dataclasses.replace(cfg.rl, rollout=dataclasses.replace(cfg.rl.rollout, batching=batching)),
   )
   trainer = Trainer(cfg, log=lambda *_: None)
   seen = []
+  # Every policy update: the rows it took and the learner's compiled programs after it.
+  step_fn = trainer.learner.step_fn
+
+  def spy_step(state, mb, denom):
+    out = step_fn(state, mb, denom)
+    trainer.updates.append((mb.size, step_fn._cache_size()))
+    return out
+
+  trainer.learner.step_fn, trainer.learner_step_fn, trainer.updates = spy_step, step_fn, []
   # Every decode step of the engine reads the params it is handed: spy on them there, and on
   # the engine's compiled programs as the run goes.
   engine = trainer.sampler.engine
@@ -71,6 +80,7 @@ def run_with_spy(request, tmp_path_factory):
   trainer.close()
 
 
+@pytest.mark.e2e
 def test_sampler_receives_the_learners_own_arrays(run_with_spy):
   trainer, seen = run_with_spy
   assert len(seen) >= trainer.cfg.rl.steps
@@ -79,9 +89,23 @@ def test_sampler_receives_the_learners_own_arrays(run_with_spy):
     assert sampler_ptrs == learner_ptrs  # same device buffers: zero bytes copied
 
 
-def test_steps_compile_once(run_with_spy):
+@pytest.mark.e2e
+def test_steps_compile_once_per_row_bucket(run_with_spy):
   trainer, _ = run_with_spy
-  assert trainer.learner.step_fn._cache_size() == 1
+  rows = trainer.cfg.rl.prompts_per_step * trainer.cfg.rl.group_size
+  sizes = [size for size, _ in trainer.updates]
+  assert len(sizes) == trainer.cfg.rl.steps
+  if trainer.cfg.rl.kl.beta > 0:  # no skipping: one program, the whole batch's
+    assert trainer.learner.skip_rows is False and set(sizes) == {rows}
+  else:
+    # The default: each update takes the rows with an advantage, padded to a bucket (all of
+    # them, 1/2, 1/4 or 1/8): one program per bucket, compiled when it is first met, never again.
+    assert trainer.learner.skip_rows
+    assert set(sizes) <= {rows, rows // 2, rows // 4, rows // 8}, sizes
+  assert [compiles for _, compiles in trainer.updates] == [
+    len(set(sizes[: i + 1])) for i in range(len(sizes))
+  ], trainer.updates
+  assert trainer.learner_step_fn._cache_size() == len(set(sizes)) <= 4
   assert trainer.sft.step_fn._cache_size() == 1
   assert trainer.sampler.engine.generate_compiles == 1
   # The engine's programs on the 8-device mesh, seen at every decode call of the RL phase: one
@@ -94,15 +118,17 @@ def test_steps_compile_once(run_with_spy):
   assert prefill <= 3 and insert <= 3 and generate == 1, compiles
 
 
+@pytest.mark.e2e
 def test_run_writes_metrics_checkpoints_and_plot(run_with_spy):
   trainer, _ = run_with_spy
   wd = trainer.workdir
   lines = [json.loads(x) for x in (wd / "metrics.jsonl").read_text().splitlines()]
   rl = [r for r in lines if r["phase"] == "rl"]
   assert [r["step"] for r in rl] == [1, 2, 3, 4]
+  assert all(("rl/kl" in r) == (trainer.cfg.rl.kl.beta > 0) for r in rl)  # logged with a KL term
   for key in (
     "rl/loss",
-    "rl/kl",
+    *(["rl/kl"] if trainer.cfg.rl.kl.beta > 0 else []),
     "rl/entropy",
     "rl/clip_frac",
     "rl/adv_mean",
@@ -142,6 +168,7 @@ def test_run_writes_metrics_checkpoints_and_plot(run_with_spy):
   assert trainer.sft.ckpt.latest_step() == 10
 
 
+@pytest.mark.e2e
 def test_profile_traces_the_chosen_rl_steps(tmp_path):
   cfg = _config(tmp_path, steps=3)
   cfg = dataclasses.replace(cfg, log=dataclasses.replace(cfg.log, profile_steps=1, profile_from=1))
@@ -152,6 +179,7 @@ def test_profile_traces_the_chosen_rl_steps(tmp_path):
   assert len(traces) == 1 and traces[0].stat().st_size > 0
 
 
+@pytest.mark.e2e
 def test_sampled_accuracy_at_a_vanishing_temperature_is_the_greedy_one(run_with_spy):
   """eval/sampled_accuracy scores eval.num_samples draws per held-out prompt at the RL
   temperature: as the temperature goes to 0 every draw is the argmax, so it equals the greedy
@@ -193,6 +221,7 @@ SPLIT = {"placement": {"kind": "split", "max_staleness": 1}}
 SPLIT_PARTIAL = {**PARTIAL, **SPLIT}
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize(
   "rl",
   [{}, PARTIAL, GRESO, STALE, SPLIT, SPLIT_PARTIAL],
@@ -231,6 +260,7 @@ def test_resume_repeats_an_uninterrupted_run(tmp_path, rl):
     assert lines[2]["partial/resumed_sequences"] > 0
 
 
+@pytest.mark.e2e
 def test_interrupted_warm_start_resumes_to_the_same_params(tmp_path):
   full = Trainer(_config(tmp_path / "full"), log=lambda *_: None)
   full.run_sft()
@@ -248,6 +278,7 @@ def test_interrupted_warm_start_resumes_to_the_same_params(tmp_path):
     np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.e2e
 def test_warm_start_demonstrations_follow_sft_careless_rate(tmp_path, monkeypatch):
   """sft.careless_rate = 1: every warm-start demonstration of a carry problem is the careless
   teacher's answer, every other one the true answer; the held-out set keeps the true answers."""
@@ -281,6 +312,7 @@ def test_warm_start_demonstrations_follow_sft_careless_rate(tmp_path, monkeypatc
   assert all(r["answer"] == str(eval(r["prompt"][:-1])) for r in trainer.ctx.held_out)
 
 
+@pytest.mark.e2e
 def test_reward_failure_is_reported_or_raised(tmp_path):
   from jaxrl import rewards
 
@@ -316,6 +348,7 @@ def test_reward_failure_is_reported_or_raised(tmp_path):
   assert rows[0]["rl/reward_errors_timeout"] == rows[0]["rl/reward_errors_invalid"] == 0
 
 
+@pytest.mark.e2e
 def test_grpo_raises_a_learnable_reward(tmp_path):
   """End to end, RL moves reward the right way: a reward the policy can reach by itself
   (answers that start with "1") climbs well above where it started."""
@@ -361,6 +394,7 @@ def _collect(trainer, step, records, next_records=None):
   return batch, {k: float(v) for k, v in jax.device_get(stats).items()}
 
 
+@pytest.mark.e2e
 def test_dynamic_sampling_never_trains_on_an_all_equal_group(tmp_path):
   from jaxrl import rewards
 
@@ -389,6 +423,7 @@ def test_dynamic_sampling_never_trains_on_an_all_equal_group(tmp_path):
   trainer.close()
 
 
+@pytest.mark.e2e
 def test_dynamic_sampling_at_the_cap_fills_with_zero_weight_groups(tmp_path):
   from jaxrl import rewards
 
@@ -405,6 +440,7 @@ def test_dynamic_sampling_at_the_cap_fills_with_zero_weight_groups(tmp_path):
   trainer.close()
 
 
+@pytest.mark.e2e
 def test_overlong_shaping_and_truncation_masking(tmp_path):
   from jaxrl import rewards
 
@@ -426,6 +462,7 @@ def test_overlong_shaping_and_truncation_masking(tmp_path):
   trainer.close()
 
 
+@pytest.mark.e2e
 def test_run_with_offpolicy_corrections_and_dapo_options(tmp_path):
   """decoupled (recomputed pi_prox) + TIS + entropy bonus + dynamic sampling run end to end and
   report the off-policy and sampling metrics every step."""
@@ -453,6 +490,7 @@ def test_run_with_offpolicy_corrections_and_dapo_options(tmp_path):
   assert max(r["offpolicy/ratio_max"] for r in rl) < 1.5
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("mode, fake", [("int8", False), ("fp8_block", False), ("int8", True)])
 def test_quantized_rollouts_sample_from_the_quantized_policy_and_report_the_gap(
   tmp_path, mode, fake
@@ -522,6 +560,7 @@ def test_quantized_rollouts_sample_from_the_quantized_policy_and_report_the_gap(
       assert np.isfinite(r["offpolicy/ratio_max"])
 
 
+@pytest.mark.e2e
 def test_skipping_zero_advantage_rows_leaves_the_update_as_it_was(tmp_path):
   # grpo_arith's rl.skip_zero_advantage='auto': the groups whose rewards tie have zero advantage
   # and are left out of the policy step (here 8 of 16 rows, on the 8 test devices), which divides
@@ -572,6 +611,7 @@ def test_skipping_zero_advantage_rows_leaves_the_update_as_it_was(tmp_path):
   trainer.close()
 
 
+@pytest.mark.e2e
 def test_scoring_overlapped_with_decoding_gives_the_same_run(tmp_path):
   def rl_metric_lines(wd):
     rows = [json.loads(x) for x in (wd / "metrics.jsonl").read_text().splitlines()]
