@@ -8,18 +8,18 @@ import dataclasses
 import json
 import math
 import os
-import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import hf_config_dict
+from fixtures import smoke_config
+from helpers import hf_config_dict, run_child
 
 from jaxrl import rewards
 from jaxrl.checkpoint import Checkpointer, CheckpointError, UnreadableCheckpointError
-from jaxrl.config import ConfigError, SandboxConfig, config_module, validate
+from jaxrl.config import ConfigError, SandboxConfig, validate
 from jaxrl.data.jsonl import JsonlTask
 from jaxrl.guard import NonFiniteError
 from jaxrl.models import hf
@@ -335,7 +335,7 @@ def _cli(what: str, flags, message: str) -> None:
   def trigger(tmp):
     args = flags(tmp) if callable(flags) else flags
     cmd = [sys.executable, "-m", "launch.train", *args, f"--config.workdir={tmp / 'wd'}"]
-    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    done = run_child(cmd, cwd=ROOT)
     if done.returncode == 0:
       return done
     raise SystemExit(done.stderr.strip().splitlines()[-1].replace(str(tmp), "TMP"))
@@ -398,12 +398,7 @@ def _run(tmp: Path, **over):
   """Builds a smoke run with `over` merged in (section: dict); the error, before any work."""
   from jaxrl.rl.loop import Trainer
 
-  cfg = config_module(ROOT / "configs" / "grpo_arith.py").get_config("smoke").to_dict()
-  cfg.update(workdir=str(tmp / "wd"), log={"progress": False, "tensorboard": False})
-  cfg["model"]["preset"] = "tiny"
-  for k, v in over.items():
-    cfg[k] = {**cfg[k], **v} if isinstance(v, dict) else v
-  Trainer(validate(cfg), log=lambda *_: None).close()
+  Trainer(smoke_config(tmp / "wd", **over), log=lambda *_: None).close()
 
 
 def _run_entry(category: str, what: str, message: str, make=None, **over) -> None:

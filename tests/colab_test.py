@@ -46,7 +46,7 @@ def test_every_notebook_has_its_check():
   assert sorted(p.stem for p in NOTEBOOKS) == sorted(CHECKS)
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
 def test_notebook_runs(path, monkeypatch):
   nb = nbformat.read(path, as_version=4)

@@ -35,7 +35,7 @@ def test_full_config_validates_and_documents_itself(path):
     mod.get_config("smok")
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.stem)
 def test_smoke_variant_runs_and_learns(path, tmp_path):
   cfg = _load(path).get_config("smoke")

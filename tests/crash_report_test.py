@@ -8,6 +8,9 @@ import sys
 import tempfile
 from pathlib import Path
 
+import pytest
+from helpers import run_child
+
 CRASHY = """
 import os, signal
 
@@ -22,16 +25,18 @@ def test_passes():
 def _run(tmp_path: Path, sig: str, uid: str) -> subprocess.CompletedProcess:
   (tmp_path / "pytest.ini").write_text("[pytest]\n")  # none of the repository's settings
   (tmp_path / "crashy_test.py").write_text(CRASHY)
+  # (no PYTHONFAULTHANDLER: the plugin's own report of the crash is what is tested)
   env = dict(os.environ, PYTHONPATH=str(Path(__file__).parent), SIGNAL=sig)
   cmd = [sys.executable, "-m", "pytest", "-n", "2", "-p", "crash_report", "-p", "no:cacheprovider"]
   cmd += [f"--testrunuid={uid}", "crashy_test.py"]
-  return subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+  return run_child(cmd, cwd=tmp_path, env=env)
 
 
 def _left_behind(uid: str) -> list[str]:
   return glob.glob(os.path.join(tempfile.gettempdir(), f"jaxrl-test-fault-{uid}-*"))
 
 
+@pytest.mark.e2e
 def test_a_crashed_workers_test_fails_with_the_faulting_frames_printed(tmp_path):
   r = _run(tmp_path, "SIGSEGV", uid="crashsegv")
   out = r.stdout
@@ -48,6 +53,7 @@ def test_a_crashed_workers_test_fails_with_the_faulting_frames_printed(tmp_path)
   assert not _left_behind("crashsegv")
 
 
+@pytest.mark.e2e
 def test_a_worker_killed_without_a_dump_is_named_so(tmp_path):
   r = _run(tmp_path, "SIGKILL", uid="crashkill")  # as the kernel's OOM killer does
   assert r.returncode == 1, r.stdout + r.stderr

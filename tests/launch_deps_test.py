@@ -42,6 +42,7 @@ def test_the_upper_end_resolves_within_the_ranges_and_the_suite_runs_inside_them
     assert r.specifier.contains(importlib.metadata.version(r.name)), name
 
 
+@pytest.mark.e2e
 def test_jaxrl_installs_and_runs_the_default_smoke_at_the_lower_end(reqs, tmp_path):
   got = deps.build("lower", tmp_path / "venv", log=lambda *_: None)
   lower = deps.resolve("lower", reqs)

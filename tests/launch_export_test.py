@@ -2,7 +2,6 @@
 
 import json
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -11,9 +10,10 @@ import numpy as np
 import pytest
 import torch
 import transformers
+from fixtures import smoke_configdict
 from flax import nnx
+from helpers import run_child
 
-import configs.grpo_arith as grpo_arith
 from jaxrl.config import validate
 from jaxrl.models.hf import load_hf_checkpoint
 from jaxrl.models.transformer import apply as _apply
@@ -27,23 +27,23 @@ apply = jax.jit(_apply, static_argnums=0)
 
 
 def _config(workdir, **model):
-  c = grpo_arith.get_config("smoke")
-  c.workdir = str(workdir)
-  c.model.preset = "tiny"  # prime sizes and an untied head: a transposed weight shows
-  c.model.update(model)
-  c.sft.steps = 4
-  c.rl.steps = 2
-  c.rl.prompts_per_step = 4  # 4 x 2 rows: the batch splits over the 8 test devices
-  c.rl.group_size = 2
-  # A near-random model earns no reward, so all advantages are 0: the entropy bonus (from the
-  # first update, no warmup) is what makes RL move the weights away from the SFT ones.
-  c.rl.loss.entropy_coef = 0.01
-  c.rl.optim.warmup_steps = 0
-  c.eval.num_examples = 8
-  c.log.tensorboard = False
-  c.log.progress = False
-  c.checkpoint.every = 1
-  return c
+  # The tiny model: prime sizes and an untied head, so a transposed weight shows.
+  return smoke_configdict(
+    workdir,
+    model=model,
+    sft={"steps": 4},
+    rl={
+      "steps": 2,
+      "prompts_per_step": 4,  # 4 x 2 rows: the batch splits over the 8 test devices
+      "group_size": 2,
+      # A near-random model earns no reward, so all advantages are 0: the entropy bonus (from
+      # the first update, no warmup) is what makes RL move the weights away from the SFT ones.
+      "loss": {"entropy_coef": 0.01},
+      "optim": {"warmup_steps": 0},
+    },
+    eval={"num_examples": 8},
+    checkpoint={"every": 1},
+  )
 
 
 def _pure(params):
@@ -84,6 +84,7 @@ def rl_export(run, tmp_path_factory):
   return out, line
 
 
+@pytest.mark.e2e
 def test_default_export_is_the_final_rl_params_exactly(run, rl_export):
   out, line = rl_export
   assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
@@ -99,6 +100,7 @@ def test_default_export_is_the_final_rl_params_exactly(run, rl_export):
   _assert_params_equal(restored, run["rl"])
 
 
+@pytest.mark.e2e
 def test_export_logits_match_transformers(run, rl_export):
   out, _ = rl_export
   model = transformers.AutoModelForCausalLM.from_pretrained(out).eval().float()
@@ -120,6 +122,7 @@ def test_export_logits_match_transformers(run, rl_export):
   np.testing.assert_allclose(np.asarray(ours)[valid], ref[valid], atol=1e-4, rtol=0)
 
 
+@pytest.mark.e2e
 def test_sft_phase_exports_the_sft_params(run, tmp_path):
   line = export(_config(run["workdir"]), tmp_path / "sft", phase="sft")
   assert "exported sft step 4" in line
@@ -132,6 +135,7 @@ def test_sft_phase_exports_the_sft_params(run, tmp_path):
   assert any(moved)
 
 
+@pytest.mark.e2e
 def test_bad_out_and_phase(run, tmp_path):
   cfg = _config(run["workdir"])
   (tmp_path / "file").write_text("x")
@@ -146,15 +150,13 @@ def test_bad_out_and_phase(run, tmp_path):
 
 
 def _export_cli(*flags):
-  return subprocess.run(
+  return run_child(
     [sys.executable, "-m", "launch.export", "--config=configs/grpo_arith.py:smoke", *flags],
     cwd=ROOT,
-    capture_output=True,
-    text=True,
-    timeout=300,
   )
 
 
+@pytest.mark.e2e
 def test_cli_empty_workdir_and_bad_phase_fail_with_one_clear_line(tmp_path):
   empty = tmp_path / "empty"
   empty.mkdir()
@@ -169,6 +171,7 @@ def test_cli_empty_workdir_and_bad_phase_fail_with_one_clear_line(tmp_path):
   assert "flag --phase=best: value should be one of <latest|rl|sft>" in out.stderr
 
 
+@pytest.mark.e2e
 def test_restore_params_latest_is_sft_until_rl_has_a_checkpoint(run):
   phase, step, params = run["before_rl"]["latest"]
   assert (phase, step) == ("sft", 4)
@@ -181,6 +184,7 @@ def test_restore_params_latest_is_sft_until_rl_has_a_checkpoint(run):
     run["trainer"].restore_params("best")
 
 
+@pytest.mark.e2e
 def test_hf_tokenizer_files_are_copied_and_latest_falls_back_to_sft(run, tmp_path):
   """The run's SFT checkpoints alone, exported under a config with an HF tokenizer."""
   from tokenizers import Tokenizer, models, pre_tokenizers, trainers

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import child_env, run_child
 
 from launch import remote
 
@@ -76,16 +77,15 @@ def test_a_real_run_executes_the_steps_in_order_and_stops_at_a_failure(tmp_path)
     'if [ -n "$FAIL_AT_SSH" ] && [ "$4" = ssh ]; then exit 1; fi\nexit 0\n'
   )
   gcloud.chmod(gcloud.stat().st_mode | stat.S_IEXEC)
-  env = {**os.environ, "PATH": f"{tmp_path}:{os.environ['PATH']}"}
+  env = child_env(PATH=f"{tmp_path}:{os.environ['PATH']}")
   cmd = [sys.executable, "-m", "launch.remote", *TPU, "--config=configs/grpo_arith.py"]
-  out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+  out = run_child(cmd, cwd=ROOT, env=env)
   assert out.returncode == 0, out.stderr
   calls = log.read_text().splitlines()
   assert [c.split()[3] for c in calls] == ["scp", "ssh", "ssh"]  # no create without --create
   assert calls[-1].endswith("launch.train --config=configs/grpo_arith.py")
   log.unlink()
-  out = subprocess.run(cmd, cwd=ROOT, env={**env, "FAIL_AT_SSH": "1"}, capture_output=True,
-                       text=True, timeout=120)  # fmt: skip
+  out = run_child(cmd, cwd=ROOT, env={**env, "FAIL_AT_SSH": "1"})
   assert out.returncode == 1
   assert "step 3 exited 1; the steps after it did not run" in out.stderr
   assert [c.split()[3] for c in log.read_text().splitlines()] == ["scp", "ssh"]

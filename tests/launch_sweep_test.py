@@ -407,7 +407,7 @@ def test_sft_from_starts_rl_from_the_source_sweeps_warm_starts(tmp_path, monkeyp
     assert not other.exists()
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_end_to_end_smoke_run_then_skip(tmp_path, monkeypatch, capsys):
   monkeypatch.chdir(ROOT)
   # The run reuses the session's persistent compilation cache (tests/conftest.py): compiling

@@ -6,17 +6,17 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import CHILD_TIMEOUT_S, child_env, run_child, wait_children
+
+pytestmark = pytest.mark.integration
 
 ROOT = Path(__file__).parent.parent
 
 
 def _train(*flags):
-  return subprocess.run(
+  return run_child(
     [sys.executable, "-m", "launch.train", "--config=configs/grpo_arith.py:smoke", *flags],
     cwd=ROOT,
-    capture_output=True,
-    text=True,
-    timeout=300,
   )
 
 
@@ -108,6 +108,7 @@ def test_an_unknown_flag_names_the_field_and_the_closest_ones(tmp_path):
   assert not tmp_path.exists() or not any(tmp_path.iterdir())
 
 
+@pytest.mark.e2e
 def test_a_diverging_run_exits_nonzero_with_the_guard_message(tmp_path):
   # Before the non-finite guard this trained NaN params to the end and exited 0.
   out = _train(
@@ -123,6 +124,7 @@ def test_a_diverging_run_exits_nonzero_with_the_guard_message(tmp_path):
   assert "Traceback" not in out.stderr  # one clear message, no stack or clean-up noise
 
 
+@pytest.mark.e2e
 def test_sigterm_exits_143_after_checkpointing(tmp_path):
   import signal
   import time
@@ -137,14 +139,20 @@ def test_sigterm_exits_143_after_checkpointing(tmp_path):
       "--config.log.progress=false",
     ],
     cwd=ROOT,
-    stderr=subprocess.PIPE,
+    env=child_env(),
+    stdout=subprocess.PIPE,
+    stderr=subprocess.STDOUT,
     text=True,
   )
-  deadline = time.monotonic() + 240
-  while not list(tmp_path.glob("checkpoints/sft/[0-9]*")) and time.monotonic() < deadline:
-    time.sleep(0.2)  # the warm-start is under way once its first checkpoint is committed
+  deadline = time.monotonic() + CHILD_TIMEOUT_S
+  while not list(tmp_path.glob("checkpoints/sft/[0-9]*")):
+    # the warm-start is under way once its first checkpoint is committed
+    assert proc.poll() is None, proc.communicate()[0][-2000:]
+    if time.monotonic() > deadline:
+      wait_children([proc], timeout=0)  # aborts it and fails with its stack
+    time.sleep(0.2)
   proc.send_signal(signal.SIGTERM)
-  _, err = proc.communicate(timeout=240)
+  (err,) = wait_children([proc])
   assert proc.returncode == 143, err[-2000:]
   m = re.search(r"stopped on SIGTERM after (SFT|RL) step (\d+), checkpointed in (\S+);", err)
   assert m, err[-2000:]

@@ -47,6 +47,8 @@ from jaxrl.rl.objectives import PolicyLoss
 from jaxrl.rollout.driver import Driver, Request
 from jaxrl.rollout.engine import Engine
 
+pytestmark = pytest.mark.integration
+
 FP8 = {
   "e4m3": (jnp.float8_e4m3fn, ml_dtypes.float8_e4m3fn),
   "e5m2": (jnp.float8_e5m2, ml_dtypes.float8_e5m2),

@@ -27,6 +27,8 @@ from jaxrl.rollout.engine import Engine
 from jaxrl.rollout.reference import make_sampler, row_keys
 from jaxrl.rollout.sampling import SamplingParams
 
+pytestmark = pytest.mark.integration
+
 # Odd / prime sizes so a transposed axis shows; head_dim even for RoPE.
 CFG = ModelConfig(
   vocab_size=67,

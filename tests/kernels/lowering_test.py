@@ -31,6 +31,8 @@ from jaxrl.quant import quantize_params
 from jaxrl.rollout.driver import Driver, Request
 from jaxrl.rollout.sampling import SamplingParams
 
+pytestmark = pytest.mark.integration
+
 S = jax.ShapeDtypeStruct
 F32, BF16, E4M3, E5M2, I8, I32 = (
   jnp.float32,

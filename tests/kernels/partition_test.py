@@ -21,6 +21,8 @@ from jaxrl.quant import quantize_params, quantize_weight, quantized_einsum
 from jaxrl.rollout.driver import Driver, Request
 from jaxrl.rollout.sampling import SamplingParams
 
+pytestmark = pytest.mark.integration
+
 
 @pytest.fixture
 def mesh():

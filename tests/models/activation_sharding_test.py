@@ -14,6 +14,8 @@ from jaxrl import mesh as meshlib
 from jaxrl.models import ModelConfig, layers, transformer
 from jaxrl.models.transformer import make_model, token_logprobs
 
+pytestmark = pytest.mark.integration
+
 RULES = meshlib.get_rules("fsdp_tp")
 B, T = 8, 12
 # Every size splits over its mesh axes (V = 258 over tensor=2), so no dim falls back silently.

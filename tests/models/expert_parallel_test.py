@@ -19,6 +19,8 @@ from jaxrl.rollout.driver import Driver, Request
 from jaxrl.rollout.engine import Engine
 from jaxrl.rollout.sampling import SamplingParams
 
+pytestmark = pytest.mark.integration
+
 RULES = meshlib.get_rules("fsdp_tp")
 P = jax.sharding.PartitionSpec
 

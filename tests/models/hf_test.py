@@ -23,6 +23,8 @@ from jaxrl.models import hf
 from jaxrl.models.config import PRESETS
 from jaxrl.models.transformer import positions_from_mask
 
+pytestmark = pytest.mark.integration
+
 _LLAMA3_ROPE = dict(
   rope_type="llama3",
   rope_theta=500.0,

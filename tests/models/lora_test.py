@@ -19,6 +19,8 @@ from jaxrl.rollout.engine import Engine, request_key
 from jaxrl.rollout.reference import make_sampler, row_keys
 from jaxrl.rollout.sampling import SamplingParams
 
+pytestmark = pytest.mark.integration
+
 R, ALPHA = 3, 5.0
 BASE = ModelConfig.tiny().replace(num_layers=1)
 CFG = BASE.replace(lora_rank=R, lora_alpha=ALPHA)

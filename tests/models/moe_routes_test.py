@@ -10,6 +10,8 @@ from jaxrl.models import ModelConfig
 from jaxrl.models.moe import replay_route, route
 from jaxrl.models.transformer import apply, apply_with_routing, positions_from_mask
 
+pytestmark = pytest.mark.integration
+
 _apply = jax.jit(apply, static_argnums=0)
 _apply_with_routing = jax.jit(apply_with_routing, static_argnums=0)
 

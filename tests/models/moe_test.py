@@ -15,6 +15,8 @@ from jaxrl.models.moe import load_balancing_loss, moe_dense_reference, moe_dispa
 from jaxrl.models.transformer import Transformer, positions_from_mask
 from jaxrl.models.transformer import apply_with_routing as _apply_with_routing
 
+pytestmark = pytest.mark.integration
+
 apply_with_routing = jax.jit(_apply_with_routing, static_argnums=0)
 
 

@@ -20,6 +20,8 @@ from jaxrl.models.transformer import (
   token_logprobs,
 )
 
+pytestmark = pytest.mark.integration
+
 
 def _hf_qwen3(cfg: ModelConfig, params):
   """A transformers Qwen3 model carrying our weights, mapped by the library's rules table."""

@@ -8,15 +8,16 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import configs.grpo_arith as grpo_arith
 from jaxrl import rewards
-from jaxrl.config import PolicyLossConfig, validate
+from jaxrl.config import PolicyLossConfig
 from jaxrl.metrics import read_jsonl
 from jaxrl.rl.advantages import ESTIMATORS, group_advantages, ragged_groups
 from jaxrl.rl.allocation import fill_groups, informative_groups, pilot_commit, vigor_round
 from jaxrl.rl.loop import Trainer
 from jaxrl.rl.losses import AGGREGATIONS
 from jaxrl.rl.objectives import PolicyLoss
+
+pytestmark = pytest.mark.integration
 
 
 def test_informative_groups_are_those_whose_rewards_differ():
@@ -178,15 +179,24 @@ def _length_parity(completion, record):
   return float(len(completion) % 2)
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("method", ["vigor", "pilot_commit"])
-def test_a_run_spends_each_steps_budget_in_rounds_on_variable_groups(tmp_path, method):
-  c = grpo_arith.get_config("smoke")
-  c.workdir, c.log.progress, c.log.tensorboard = str(tmp_path), False, False
-  c.model.preset, c.sft.steps, c.eval.every, c.eval.num_examples = "tiny", 4, 0, 8
-  c.reward.name = "length_parity_for_allocation_test"
-  c.rl.update(dict(steps=3, prompts_per_step=4, group_size=4))
-  c.rl.allocation = dict(method=method, initial=2, increment=2, rounds=2)
-  trainer = Trainer(validate(c), log=lambda *_: None)
+def test_a_run_spends_each_steps_budget_in_rounds_on_variable_groups(
+  tmp_path, method, smoke_config
+):
+  cfg = smoke_config(
+    tmp_path,
+    sft={"steps": 4},
+    eval={"every": 0, "num_examples": 8},
+    reward={"name": "length_parity_for_allocation_test"},
+    rl={
+      "steps": 3,
+      "prompts_per_step": 4,
+      "group_size": 4,
+      "allocation": {"method": method, "initial": 2, "increment": 2, "rounds": 2},
+    },
+  )
+  trainer = Trainer(cfg, log=lambda *_: None)
   asked, trained = [], []
   sample_indices, update = trainer.experience.sampler.sample_indices, trainer.learner.update
 
@@ -223,17 +233,24 @@ def test_a_run_spends_each_steps_budget_in_rounds_on_variable_groups(tmp_path, m
   assert any(r["alloc/group_size_min"] != r["alloc/group_size_max"] for r in rows)
 
 
-def test_a_prompt_filter_composes_with_allocation_on_variable_groups(tmp_path):
+@pytest.mark.e2e
+def test_a_prompt_filter_composes_with_allocation_on_variable_groups(tmp_path, smoke_config):
   # GRESO picks the step's prompts; VIGOR sizes their groups; the stats store folds in each
   # prompt's own group, whatever its size.
-  c = grpo_arith.get_config("smoke")
-  c.workdir, c.log.progress, c.log.tensorboard = str(tmp_path), False, False
-  c.model.preset, c.sft.steps, c.eval.every, c.eval.num_examples = "tiny", 4, 0, 8
-  c.reward.name = "length_parity_for_allocation_test"
-  c.rl.update(dict(steps=3, prompts_per_step=4, group_size=4))
-  c.rl.allocation = dict(method="vigor", initial=2, increment=2, rounds=2)
-  c.rl.prompt_filter = dict(method="greso")
-  trainer = Trainer(validate(c), log=lambda *_: None)
+  cfg = smoke_config(
+    tmp_path,
+    sft={"steps": 4},
+    eval={"every": 0, "num_examples": 8},
+    reward={"name": "length_parity_for_allocation_test"},
+    rl={
+      "steps": 3,
+      "prompts_per_step": 4,
+      "group_size": 4,
+      "allocation": {"method": "vigor", "initial": 2, "increment": 2, "rounds": 2},
+      "prompt_filter": {"method": "greso"},
+    },
+  )
+  trainer = Trainer(cfg, log=lambda *_: None)
   stats = trainer.experience.prompt_filter.stats
   folded, update = [], stats.update
 

@@ -18,6 +18,8 @@ from jaxrl.rl import components
 from jaxrl.rl.loop import Trainer
 from jaxrl.tokenizer import ByteTokenizer, HFTokenizer
 
+pytestmark = pytest.mark.integration
+
 CHATML = (
   "{%- for message in messages %}{{- '<|im_start|>' + message['role'] + '\\n' + "
   "message['content'] + '<|im_end|>' + '\\n' }}{%- endfor %}"
@@ -128,6 +130,7 @@ def test_model_from_preset_and_from_hf_dir(hf_dir):
     components.build_tokenizer(validate({"model": {"tokenizer": "/nonexistent"}}).model)
 
 
+@pytest.mark.e2e
 def test_rl_on_an_hf_checkpoint_with_chat_template_and_lora(hf_dir, tmp_path):
   """SFT + GRPO through the engine on the exported checkpoint: only adapters move, the KL
   reference is the policy RL starts from (so KL starts at 0), and the sampler matches the

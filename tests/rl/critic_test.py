@@ -7,9 +7,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from fixtures import smoke_configdict
 from flax import nnx
 
-import configs.grpo_arith as grpo_arith
 from jaxrl import rewards
 from jaxrl.config import CriticConfig, RewardConfig, validate
 from jaxrl.mesh import get_rules, make_mesh, shard_params
@@ -19,6 +19,8 @@ from jaxrl.models.transformer import apply, make_model, positions_from_mask
 from jaxrl.rl.batch import TrainBatch
 from jaxrl.rl.critic import Critic, ValueLoss
 from jaxrl.rl.loop import Trainer
+
+pytestmark = pytest.mark.integration
 
 CFG = ModelConfig.tiny(vocab_size=37)
 
@@ -144,22 +146,21 @@ def test_value_loss_matches_numpy_and_the_critic_fits_returns(setup):
 
 
 def _ppo_config(workdir, **rl):
-  c = grpo_arith.get_config("smoke")
-  c.workdir = str(workdir)
-  c.log.progress = False
-  c.log.tensorboard = False
-  c.model.preset = "tiny"
-  c.sft.steps = 10
-  c.rl.steps = 4
-  c.rl.advantage = "gae"
-  c.rl.group_size = 1
-  c.rl.prompts_per_step = 32
-  c.rl.critic = dict(warmup_steps=1, learning_rate=1e-3)
-  c.eval.every = 2
-  c.eval.num_examples = 16
-  c.checkpoint.every = 2
-  c.reward.name = "ppo_starts_with_one_for_test"
-  c.rl.update(rl)
+  c = smoke_configdict(
+    workdir,
+    sft={"steps": 10},
+    rl={
+      "steps": 4,
+      "advantage": "gae",
+      "group_size": 1,
+      "prompts_per_step": 32,
+      "critic": {"warmup_steps": 1, "learning_rate": 1e-3},
+    },
+    eval={"every": 2, "num_examples": 16},
+    checkpoint={"every": 2},
+    reward={"name": "ppo_starts_with_one_for_test"},
+  )
+  c.rl.update(rl)  # on top of the rl defaults above, nested sections key by key
   return validate(c)
 
 
@@ -170,6 +171,7 @@ def _rl_lines(wd):
   ]
 
 
+@pytest.mark.e2e
 def test_ppo_warmup_trains_only_the_critic_and_resume_repeats_a_full_run(tmp_path):
   full = Trainer(_ppo_config(tmp_path / "full"), log=lambda *_: None)
   full.run()
@@ -200,6 +202,7 @@ def test_ppo_warmup_trains_only_the_critic_and_resume_repeats_a_full_run(tmp_pat
     np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.e2e
 def test_ppo_raises_a_learnable_reward(tmp_path):
   """One sample per prompt, the critic as the only baseline: reward still climbs."""
   cfg = _ppo_config(tmp_path, steps=8, optim={"learning_rate": 3e-3}, prompts_per_step=64)

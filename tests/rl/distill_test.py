@@ -19,6 +19,8 @@ from jaxrl.rl.distill import (
 )
 from jaxrl.rl.train_step import init_state, make_optimizer, make_train_step
 
+pytestmark = pytest.mark.integration
+
 
 def test_reverse_kl_surrogate_has_the_kl_gradient_in_expectation():
   # For one categorical, E_{y ~ pi}[surrogate gradient] (enumerated exactly) = grad KL(pi || pt).

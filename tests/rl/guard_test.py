@@ -17,6 +17,8 @@ from jaxrl.guard import NonFiniteError, NonFiniteGuard, all_finite
 from jaxrl.rl.loop import Trainer
 from jaxrl.rl.run import abstract
 
+pytestmark = pytest.mark.integration
+
 
 def test_guard_counts_runs_of_skipped_updates():
   guard = NonFiniteGuard(3, "RL", hint="Do X.")
@@ -86,6 +88,7 @@ def test_rewards_beyond_the_range_are_errors():
     validate({"reward": {"max_abs": 0.0}})
 
 
+@pytest.mark.e2e
 def test_diverging_warm_start_stops_with_its_last_finite_checkpoint(tmp_path):
   # sft.learning_rate=1e5 with no warmup: the params blow up after the first update, every
   # later loss is NaN. Before the guard the run went on to the end and exited 0.
@@ -110,6 +113,7 @@ def test_diverging_warm_start_stops_with_its_last_finite_checkpoint(tmp_path):
   )
 
 
+@pytest.mark.e2e
 def test_one_nonfinite_rl_step_is_skipped_and_the_run_goes_on(tmp_path):
   trainer = Trainer(_config(tmp_path), log=lambda *_: None)
   batch_fn = trainer.experience.batch

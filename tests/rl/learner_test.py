@@ -7,27 +7,21 @@ import json
 import jax
 import numpy as np
 import pytest
+from fixtures import smoke_config
 
 import configs.grpo_arith as grpo_arith
-from jaxrl.config import validate
 from jaxrl.rl.loop import Trainer
+
+pytestmark = pytest.mark.integration
 
 
 def _config(workdir, **rl):
-  c = grpo_arith.get_config("smoke")
-  c.workdir = str(workdir)
-  c.log.progress = False
-  c.log.tensorboard = False
-  c.model.preset = "tiny"
-  c.sft.steps = 2
-  c.rl.steps = 2
-  c.rl.prompts_per_step = 4
-  c.rl.group_size = 4
-  c.eval.every = 0
-  c.eval.num_examples = 8
-  c.eval.num_samples = 0
-  c.rl.update(rl)
-  return validate(c)
+  return smoke_config(
+    workdir,
+    sft={"steps": 2},
+    rl={"steps": 2, "prompts_per_step": 4, "group_size": 4, **rl},
+    eval={"every": 0, "num_examples": 8, "num_samples": 0},
+  )
 
 
 @pytest.mark.parametrize(
@@ -91,6 +85,7 @@ def _forbid(monkeypatch, *targets):
     monkeypatch.setattr(obj, name, forbidden)
 
 
+@pytest.mark.e2e
 def test_export_builds_no_optimizer_engine_or_teacher(trained, tmp_path, monkeypatch):
   """A params-only restore: exporting a run's checkpoint constructs none of the training or
   sampling machinery (each constructor raises if called)."""
@@ -110,6 +105,7 @@ def test_export_builds_no_optimizer_engine_or_teacher(trained, tmp_path, monkeyp
     np.testing.assert_array_equal(np.asarray(a), b)
 
 
+@pytest.mark.e2e
 def test_evaluation_builds_no_optimizer_or_teacher_and_repeats_the_runs_eval(trained, monkeypatch):
   """launch.evaluate restores the params alone and builds only the sampler it decodes with; its
   held-out accuracy is the one the run logged after its last step (same params, same seeds)."""
@@ -136,6 +132,7 @@ def test_evaluation_builds_no_optimizer_or_teacher_and_repeats_the_runs_eval(tra
     assert result[key] == logged[key], key
 
 
+@pytest.mark.e2e
 def test_evaluation_of_the_initial_model_reports_pass_at_k(trained):
   """--phase=init evaluates the model as built (no checkpoint read); --samples=N adds sampled
   accuracy and pass@1..N, pass@1 being the sampled accuracy of a pass/fail reward."""

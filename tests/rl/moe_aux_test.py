@@ -19,6 +19,8 @@ from jaxrl.rl.batch import TrainBatch
 from jaxrl.rl.loop import Trainer
 from jaxrl.rl.objectives import PolicyLoss, SFTLoss
 
+pytestmark = pytest.mark.integration
+
 CFG = ModelConfig.tiny_moe().replace(num_layers=2)
 B, T, P = 4, 9, 3
 
@@ -96,19 +98,19 @@ def test_policy_and_sft_losses_add_the_aux_losses_and_train_the_router_through_t
   assert set(sft_metrics) == {"sft/loss", "moe/load_balance", "moe/router_z"}
 
 
-def _config(tmp_path, **model):
-  c = grpo_arith.get_config("smoke")
-  c.workdir, c.log.progress, c.log.tensorboard = str(tmp_path), False, False
-  c.model.preset, c.sft.steps, c.eval.every, c.eval.num_examples = "tiny_moe", 4, 0, 8
-  c.rl.steps = 2
-  c.sft.load_balance_coef, c.sft.router_z_coef = 0.01, 0.001
-  c.rl.loss.load_balance_coef, c.rl.loss.router_z_coef = 0.01, 0.001
-  c.model.update(model)
-  return validate(c)
-
-
-def test_a_moe_run_reports_its_aux_losses_in_both_phases_and_trains_every_row(tmp_path):
-  trainer = Trainer(_config(tmp_path), log=lambda *_: None)
+@pytest.mark.e2e
+def test_a_moe_run_reports_its_aux_losses_in_both_phases_and_trains_every_row(
+  tmp_path, smoke_config
+):
+  aux = {"load_balance_coef": 0.01, "router_z_coef": 0.001}
+  cfg = smoke_config(
+    tmp_path,
+    model={"preset": "tiny_moe"},
+    sft={"steps": 4, **aux},
+    rl={"steps": 2, "loss": aux},
+    eval={"every": 0, "num_examples": 8},
+  )
+  trainer = Trainer(cfg, log=lambda *_: None)
   assert not trainer.learner.skip_rows  # the aux losses read every token
   trainer.run()
   trainer.close()

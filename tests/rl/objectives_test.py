@@ -14,6 +14,8 @@ from jaxrl.rl.batch import TrainBatch
 from jaxrl.rl.losses import AGGREGATIONS, POLICY_LOSSES, aggregate
 from jaxrl.rl.objectives import PolicyLoss, SFTLoss
 
+pytestmark = pytest.mark.integration
+
 CFG = ModelConfig.tiny().replace(num_layers=1)
 B, T, P = 6, 10, 4  # batch, columns, prompt bucket
 TEMPERATURE = 0.7

@@ -16,6 +16,8 @@ from jaxrl.rollout.collect import GroupSampler
 from jaxrl.rollout.sampling import SamplingParams
 from jaxrl.rollout.types import FINISH_REASONS
 
+pytestmark = pytest.mark.integration
+
 P, N, PAD, EOS, G = 6, 12, 0, 2, 2
 ABORT = FINISH_REASONS.index("abort")
 

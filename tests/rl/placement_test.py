@@ -5,30 +5,24 @@ import collections
 import jax
 import numpy as np
 import pytest
+from fixtures import smoke_config
 
-import configs.grpo_arith as grpo_arith
-from jaxrl.config import validate
 from jaxrl.mesh import split_devices
 from jaxrl.metrics import read_jsonl
 from jaxrl.rl import placement
 from jaxrl.rl.loop import Trainer
 
+pytestmark = pytest.mark.integration
+
 
 def _config(workdir, steps=5, **rl):
-  c = grpo_arith.get_config("smoke")
-  c.workdir = str(workdir)
-  c.log.progress = False
-  c.log.tensorboard = False
-  c.model.preset = "tiny"
-  c.sft.steps = 4
-  c.rl.steps = steps
-  c.rl.prompts_per_step = 4
-  c.rl.group_size = 4
-  c.eval.every = 0
-  c.eval.num_examples = 8
-  c.checkpoint.every = 2
-  c.rl.update(rl)
-  return validate(c)
+  return smoke_config(
+    workdir,
+    sft={"steps": 4},
+    rl={"steps": steps, "prompts_per_step": 4, "group_size": 4, **rl},
+    eval={"every": 0, "num_examples": 8},
+    checkpoint={"every": 2},
+  )
 
 
 def _devices(tree) -> set:
@@ -76,6 +70,7 @@ def _assert_bounded(cfg, published, sampled, trained):
       np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.e2e
 def test_colocated_staleness_samples_batch_s_with_version_s_minus_k(tmp_path):
   cfg = _config(tmp_path, placement={"max_staleness": 2})
   trainer, published, sampled, trained, rows = _spied_run(cfg)
@@ -85,6 +80,7 @@ def test_colocated_staleness_samples_batch_s_with_version_s_minus_k(tmp_path):
   assert trainer.summary["staleness_histogram"].keys() == {"0", "1", "2"}
 
 
+@pytest.mark.e2e
 def test_split_placement_on_8_devices_never_exceeds_max_staleness(tmp_path):
   assert len(jax.devices()) == 8
   cfg = _config(tmp_path, steps=6, placement={"kind": "split", "max_staleness": 1})
@@ -116,6 +112,7 @@ class _CountedPuts:
     return jax.device_put(*args, **kw)
 
 
+@pytest.mark.e2e
 def test_split_pushes_only_the_versions_a_batch_reads(tmp_path, monkeypatch):
   cfg = _config(tmp_path, steps=6, placement={"kind": "split", "max_staleness": 1})
   puts = _CountedPuts()
@@ -126,6 +123,7 @@ def test_split_pushes_only_the_versions_a_batch_reads(tmp_path, monkeypatch):
   assert puts.count == 5  # versions 0-4 for batches 0-5; not 5 and 6, which no batch reads
 
 
+@pytest.mark.e2e
 def test_split_sampler_failure_is_raised_not_hung(tmp_path, monkeypatch):
   cfg = _config(tmp_path, steps=4, placement={"kind": "split", "max_staleness": 1})
   trainer = Trainer(cfg, log=lambda *_: None)
@@ -142,6 +140,7 @@ def test_split_sampler_failure_is_raised_not_hung(tmp_path, monkeypatch):
   trainer.close()
 
 
+@pytest.mark.e2e
 def test_a_checkpoint_without_the_batches_sampled_ahead_is_refused(tmp_path):
   Trainer(_config(tmp_path, steps=2), log=lambda *_: None).run()
   stale = Trainer(_config(tmp_path, steps=4, placement={"max_staleness": 2}), log=print)
@@ -150,6 +149,7 @@ def test_a_checkpoint_without_the_batches_sampled_ahead_is_refused(tmp_path):
   stale.close()
 
 
+@pytest.mark.e2e
 def test_a_checkpoint_of_another_staleness_is_refused(tmp_path):
   Trainer(_config(tmp_path, steps=2, placement={"max_staleness": 1}), log=print).run()
   other = Trainer(_config(tmp_path, steps=4, placement={"max_staleness": 3}), log=print)
@@ -183,6 +183,7 @@ def test_split_devices_of_several_processes_gives_each_side_a_share_of_every_pro
   )
 
 
+@pytest.mark.e2e
 def test_partial_rollouts_on_a_split_sampler_bound_every_token_by_k_plus_max_age(tmp_path):
   # verl's fully-async mode: the sampler one version behind carries unfinished sequences over.
   k, max_age = 1, 1

@@ -6,14 +6,15 @@ import types
 import jax
 import numpy as np
 import pytest
+from fixtures import smoke_config
 
-import configs.grpo_arith as grpo_arith
 from jaxrl import rewards
-from jaxrl.config import validate
 from jaxrl.metrics import read_jsonl
 from jaxrl.rl.loop import Trainer
 from jaxrl.rl.replay import ReplayBuffer
 from jaxrl.rollout.types import Rollout
+
+pytestmark = pytest.mark.integration
 
 G, P = 2, 4
 
@@ -128,15 +129,17 @@ def _length_parity(completion, record):
 
 
 def _config(workdir, steps=5):
-  c = grpo_arith.get_config("smoke")
-  c.workdir, c.log.progress, c.log.tensorboard = str(workdir), False, False
-  c.model.preset, c.sft.steps, c.eval.every, c.eval.num_examples = "tiny", 4, 0, 8
-  c.checkpoint.every = 2
-  c.reward.name = "length_parity_for_replay_test"
-  c.rl.update(dict(steps=steps, prompts_per_step=4, group_size=4, replay={"ratio": 0.5}))
-  return validate(c)
+  return smoke_config(
+    workdir,
+    sft={"steps": 4},
+    eval={"every": 0, "num_examples": 8},
+    checkpoint={"every": 2},
+    reward={"name": "length_parity_for_replay_test"},
+    rl={"steps": steps, "prompts_per_step": 4, "group_size": 4, "replay": {"ratio": 0.5}},
+  )
 
 
+@pytest.mark.e2e
 def test_replayed_groups_train_with_the_log_probs_and_versions_that_drew_them(tmp_path):
   c = _config(tmp_path)
   trainer = Trainer(c, log=lambda *_: None)
@@ -178,6 +181,7 @@ def test_replayed_groups_train_with_the_log_probs_and_versions_that_drew_them(tm
   assert all(replayed.count(s) == 8 for s in set(replayed))
 
 
+@pytest.mark.e2e
 def test_a_resumed_run_replays_the_groups_stored_before_its_checkpoint(tmp_path):
   def rl_lines(wd):
     rows = [r for r in read_jsonl(wd / "metrics.jsonl") if r["phase"] == "rl"]

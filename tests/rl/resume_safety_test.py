@@ -18,6 +18,8 @@ from jaxrl.config import ConfigError
 from jaxrl.preemption import Preempted
 from jaxrl.rl.loop import Trainer
 
+pytestmark = pytest.mark.integration
+
 
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
@@ -37,6 +39,7 @@ def _assert_repeats(uninterrupted, workdir, params):
     np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.e2e
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 def test_unreadable_latest_checkpoint_falls_back_and_repeats_the_run(tmp_path, uninterrupted):
   part = Trainer(_config(tmp_path / "part"), log=lambda *_: None)
@@ -91,6 +94,7 @@ def test_a_batch_that_does_not_split_over_the_mesh_is_a_config_error(
   assert not (tmp_path / "checkpoints").exists()
 
 
+@pytest.mark.e2e
 def test_sigterm_checkpoints_the_step_in_flight_and_the_run_resumes(tmp_path, uninterrupted):
   # SIGTERM during SFT step 3 (checkpoint.every=2: not a save step of its own).
   first = Trainer(_config(tmp_path / "part"), log=lambda *_: None)

@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from fixtures import smoke_configdict
 from helpers import numpy_model, rl_metric_lines
 from moe_aux_test import CFG, _batch
 
@@ -14,6 +15,8 @@ from jaxrl.config import ConfigError, validate
 from jaxrl.models.transformer import apply_with_routing, positions_from_mask
 from jaxrl.rl.loop import Trainer
 from jaxrl.rl.objectives import PolicyLoss, route_agreement
+
+pytestmark = pytest.mark.integration
 
 
 def test_route_agreement_by_hand():
@@ -63,12 +66,15 @@ def test_replaying_the_learners_own_routes_leaves_loss_and_gradients_unchanged()
 
 
 def _config(workdir, routes, **rl):
-  c = grpo_arith.get_config("smoke")
-  c.workdir, c.log.progress, c.log.tensorboard = str(workdir), False, False
-  c.model.preset, c.sft.steps, c.eval.every, c.eval.num_examples = "tiny_moe", 10, 0, 8
-  c.rl.steps, c.checkpoint.every = 4, 2
-  c.rl.rollout.routes = routes
-  c.rl.update(rl)
+  c = smoke_configdict(
+    workdir,
+    model={"preset": "tiny_moe"},
+    sft={"steps": 10},
+    eval={"every": 0, "num_examples": 8},
+    rl={"steps": 4, "rollout": {"routes": routes}},
+    checkpoint={"every": 2},
+  )
+  c.rl.update(rl)  # on top of the rl defaults above, nested sections key by key
   return validate(c)
 
 
@@ -78,6 +84,7 @@ PARTIAL = {
 }
 
 
+@pytest.mark.e2e
 def test_a_moe_run_with_partial_rollouts_replays_routes_and_resumes_exactly(tmp_path):
   full = Trainer(_config(tmp_path / "full", "replay", **PARTIAL), log=lambda *_: None)
   assert full.sampler.engine.routes_shape == (CFG.num_layers, CFG.experts_per_token)

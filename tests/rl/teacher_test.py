@@ -5,31 +5,27 @@ import shutil
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from fixtures import smoke_configdict
 
 from jaxrl.models.config import ModelConfig
 from jaxrl.models.transformer import make_model, token_logprobs
 from jaxrl.rl.distill import DistillBatch, teacher_scores
 
+pytestmark = pytest.mark.integration
+
 
 def _distill_config(workdir, rl=None, **distill):
-  import configs.grpo_arith as grpo_arith
   from jaxrl.config import validate
 
-  c = grpo_arith.get_config("smoke")
-  c.workdir = str(workdir)
-  c.log.progress = False
-  c.log.tensorboard = False
-  c.model.preset = "tiny"
-  c.sft.steps = 10
-  c.rl.steps = 4
-  c.rl.group_size = 1
-  c.rl.prompts_per_step = 16
-  c.rl.optim.learning_rate = 3e-3
-  c.rl.update(rl or {})
-  c.eval.every = 2
-  c.eval.num_examples = 16
-  c.checkpoint.every = 2
-  c.distill = dict(enabled=True, teacher=dict(preset="tiny", seed=7), **distill)
+  c = smoke_configdict(
+    workdir,
+    sft={"steps": 10},
+    rl={"steps": 4, "group_size": 1, "prompts_per_step": 16, "optim": {"learning_rate": 3e-3}},
+    eval={"every": 2, "num_examples": 16},
+    checkpoint={"every": 2},
+    distill=dict(enabled=True, teacher=dict(preset="tiny", seed=7), **distill),
+  )
+  c.rl.update(rl or {})  # on top of the rl defaults above, nested sections key by key
   return validate(c)
 
 
@@ -41,6 +37,7 @@ def _rl_lines(wd):
   return [{k: v for k, v in r.items() if not k.startswith("time/")} for r in rl]
 
 
+@pytest.mark.e2e
 def test_loop_scores_with_the_teacher_and_distils_towards_it(tmp_path):
   """The teacher's scores in the batch are its own forward's, and training on them shrinks
   KL(student || teacher) on the student's own samples."""
@@ -68,6 +65,7 @@ def test_loop_scores_with_the_teacher_and_distils_towards_it(tmp_path):
   assert np.mean(kl[-3:]) < 0.7 * np.mean(kl[:3]), kl
 
 
+@pytest.mark.e2e
 def test_adaptive_window_probes_moves_and_resumes(tmp_path):
   """ADWIN in the loop: every probe_every steps the alignment probe runs before the update and
   the window follows the controller's rule; the training batch supervises only the prefix;

@@ -4,6 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 
 from jaxrl.config import KLConfig
 from jaxrl.mesh import get_rules, make_mesh, named_sharding, shard_params
@@ -15,6 +16,8 @@ from jaxrl.rl.train_step import Optimizer, init_state, make_train_step
 from jaxrl.rollout.collect import left_pad
 from jaxrl.rollout.reference import make_sampler, row_keys
 from jaxrl.rollout.sampling import SamplingParams
+
+pytestmark = pytest.mark.integration
 
 
 def _batch(cfg, b=16, t=12):

@@ -17,6 +17,8 @@ from jaxrl.rl.batch import TrainBatch, compact_rows, gradient_rows
 from jaxrl.rl.objectives import PolicyLoss
 from jaxrl.rl.train_step import Optimizer, init_state, make_optimizer, make_train_step
 
+pytestmark = pytest.mark.integration
+
 # One layer keeps every component (attention, MLP, norms, head) and halves the compile time.
 CFG = ModelConfig.tiny().replace(num_layers=1)
 B, T, P = 8, 11, 5  # batch, columns, prompt bucket (completion columns are P..T-1)

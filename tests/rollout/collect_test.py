@@ -2,6 +2,7 @@
 
 import jax
 import numpy as np
+import pytest
 from helpers import tiny_model
 
 from jaxrl.mesh import make_mesh, shard_params
@@ -9,6 +10,8 @@ from jaxrl.rollout.collect import GroupSampler, left_pad
 from jaxrl.rollout.reference import make_sampler, row_keys
 from jaxrl.rollout.sampling import SamplingParams
 from jaxrl.rollout.types import FINISH_REASONS, LENGTH
+
+pytestmark = pytest.mark.integration
 
 P, N, PAD, EOS = 8, 6, 0, 2
 PROMPTS = [[1, 5, 9, 17], [1, 40, 41, 42, 43, 44, 45, 46], [1, 100]]

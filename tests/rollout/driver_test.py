@@ -13,6 +13,8 @@ from jaxrl.rollout.engine import Engine
 from jaxrl.rollout.sampling import SamplingParams
 from jaxrl.tokenizer import ByteTokenizer
 
+pytestmark = pytest.mark.integration
+
 S = 40
 GREEDY = SamplingParams(temperature=0.0)
 SAMPLED = SamplingParams(temperature=0.8, top_p=0.9)

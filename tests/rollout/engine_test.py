@@ -23,6 +23,8 @@ from jaxrl.rollout.engine import Engine, request_key
 from jaxrl.rollout.kv_cache import OutOfPages
 from jaxrl.rollout.sampling import SamplingParams
 
+pytestmark = pytest.mark.integration
+
 S = 40  # max prompt + completion
 GREEDY = SamplingParams(temperature=0.0)
 SAMPLED = SamplingParams(temperature=1.0, top_k=40, top_p=0.95, min_p=0.01)

@@ -12,6 +12,8 @@ from jaxrl.rollout.driver import Driver, Request
 from jaxrl.rollout.engine import Engine
 from jaxrl.rollout.sampling import SamplingParams
 
+pytestmark = pytest.mark.integration
+
 S = 32
 
 

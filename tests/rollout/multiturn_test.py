@@ -25,6 +25,8 @@ from jaxrl.rollout.multiturn import (
 from jaxrl.rollout.sampling import SamplingParams
 from jaxrl.tokenizer import ByteTokenizer
 
+pytestmark = pytest.mark.integration
+
 TOK = ByteTokenizer()
 SAMPLED = SamplingParams(temperature=1.0)
 MAX_TURNS, MAX_NEW = 3, 6
@@ -253,24 +255,32 @@ def test_a_group_sampler_row_is_an_episode_with_its_observations_off_the_loss():
   np.testing.assert_array_equal(np.asarray(again.tokens), np.asarray(rollout.tokens))
 
 
-def test_an_rl_run_trains_on_episodes_and_never_on_their_observations(tmp_path, monkeypatch):
+@pytest.mark.e2e
+def test_an_rl_run_trains_on_episodes_and_never_on_their_observations(
+  tmp_path, monkeypatch, smoke_config
+):
   # rl.rollout.env through the whole loop: the environment (scripted here, so that every episode
   # has an observation whatever the tiny model writes) answers, the learner's batches attend to
   # the observation tokens and leave them out of the loss.
   import jax
 
-  from configs import grpo_arith
-  from jaxrl.config import validate
   from jaxrl.rl import experience
   from jaxrl.rl.loop import Trainer
 
   monkeypatch.setattr(experience, "env_factory", lambda cfg: lambda: Scripted(["<ok>"]))
-  c = grpo_arith.get_config("smoke")
-  c.workdir, c.log.progress, c.log.tensorboard = str(tmp_path), False, False
-  c.model.preset, c.sft.steps, c.eval.every, c.eval.num_examples = "tiny", 4, 0, 8
-  c.rl.update(dict(steps=2, prompts_per_step=4, group_size=2, max_new_tokens=16))
-  c.rl.rollout.update(dict(env="calculator", max_turns=2, turn_tokens=5))
-  trainer = Trainer(validate(c), log=lambda *_: None)
+  cfg = smoke_config(
+    tmp_path,
+    sft={"steps": 4},
+    eval={"every": 0, "num_examples": 8},
+    rl={
+      "steps": 2,
+      "prompts_per_step": 4,
+      "group_size": 2,
+      "max_new_tokens": 16,
+      "rollout": {"env": "calculator", "max_turns": 2, "turn_tokens": 5},
+    },
+  )
+  trainer = Trainer(cfg, log=lambda *_: None)
   trained, update = [], trainer.learner.update
   trainer.learner.update = lambda state, batch, step: (
     trained.append(jax.device_get(batch)), update(state, batch, step))[1]  # fmt: skip

@@ -20,6 +20,8 @@ from jaxrl.rollout.collect import left_pad
 from jaxrl.rollout.reference import make_sampler, row_keys
 from jaxrl.rollout.sampling import SamplingParams
 
+pytestmark = pytest.mark.integration
+
 P, N, PAD = 8, 8, 0  # prompt bucket, max new tokens, pad id
 # Different lengths, so rows carry different amounts of left padding (none for the full one).
 PROMPTS = [[5, 9, 17], [40, 41, 42, 43, 44, 45, 46, 47], [100], [200, 7, 33, 3, 90]]

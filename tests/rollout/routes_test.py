@@ -17,6 +17,8 @@ from jaxrl.rollout.driver import Driver, Request, Resume
 from jaxrl.rollout.engine import Engine
 from jaxrl.rollout.sampling import SamplingParams
 
+pytestmark = pytest.mark.integration
+
 S = 40
 SAMPLED = SamplingParams(temperature=1.0)
 _routing = jax.jit(apply_with_routing, static_argnums=0)
