@@ -179,13 +179,10 @@ def _length_parity(completion, record):
   return float(len(completion) % 2)
 
 
-@pytest.mark.e2e
-@pytest.mark.parametrize("method", ["vigor", "pilot_commit"])
-def test_a_run_spends_each_steps_budget_in_rounds_on_variable_groups(
-  tmp_path, method, smoke_config
-):
-  cfg = smoke_config(
-    tmp_path,
+def _allocated_run(smoke_config, workdir, method: str, **rl):
+  """A 3-step run of 4 prompts, each step's 16 samples allocated by `method` in rounds."""
+  return smoke_config(
+    workdir,
     sft={"steps": 4},
     eval={"every": 0, "num_examples": 8},
     reward={"name": "length_parity_for_allocation_test"},
@@ -194,8 +191,17 @@ def test_a_run_spends_each_steps_budget_in_rounds_on_variable_groups(
       "prompts_per_step": 4,
       "group_size": 4,
       "allocation": {"method": method, "initial": 2, "increment": 2, "rounds": 2},
+      **rl,
     },
   )
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("method", ["vigor", "pilot_commit"])
+def test_a_run_spends_each_steps_budget_in_rounds_on_variable_groups(
+  tmp_path, method, smoke_config
+):
+  cfg = _allocated_run(smoke_config, tmp_path, method)
   trainer = Trainer(cfg, log=lambda *_: None)
   asked, trained = [], []
   sample_indices, update = trainer.experience.sampler.sample_indices, trainer.learner.update
@@ -237,19 +243,7 @@ def test_a_run_spends_each_steps_budget_in_rounds_on_variable_groups(
 def test_a_prompt_filter_composes_with_allocation_on_variable_groups(tmp_path, smoke_config):
   # GRESO picks the step's prompts; VIGOR sizes their groups; the stats store folds in each
   # prompt's own group, whatever its size.
-  cfg = smoke_config(
-    tmp_path,
-    sft={"steps": 4},
-    eval={"every": 0, "num_examples": 8},
-    reward={"name": "length_parity_for_allocation_test"},
-    rl={
-      "steps": 3,
-      "prompts_per_step": 4,
-      "group_size": 4,
-      "allocation": {"method": "vigor", "initial": 2, "increment": 2, "rounds": 2},
-      "prompt_filter": {"method": "greso"},
-    },
-  )
+  cfg = _allocated_run(smoke_config, tmp_path, "vigor", prompt_filter={"method": "greso"})
   trainer = Trainer(cfg, log=lambda *_: None)
   stats = trainer.experience.prompt_filter.stats
   folded, update = [], stats.update
