@@ -82,11 +82,11 @@ def _release_executables():
 # The tiers (tests/README.md): a test marked `e2e` (whole jobs: config smokes, training runs,
 # notebooks, the CLI's runs, multi-process runs, fault injection, installs, TPU compiles) is of
 # that tier, even in a module marked `integration` (builds and steps an engine, a learner, a
-# model); a test of neither mark is a unit test. The
-# end-to-end tier runs first and the unit tier last, so the longest tests start while both
-# workers are fresh and the shortest fill the end. Tests that share a module-scoped fixture
-# defined in their module (one expensive job asserted by several tests) carry one xdist_group
-# (`--dist loadgroup`, launch/test.sh): the job runs once, on one worker.
+# model); a test of neither mark is a unit test. The end-to-end tier runs first and the unit
+# tier last, so that no long job ends the run on one worker while the other idles (though two
+# heavy jobs side by side oversubscribe the two cores: tests/README.md). Tests that share a
+# module-scoped fixture defined in their module (one expensive job asserted by several tests)
+# carry one xdist_group (`--dist loadgroup`, launch/test.sh): the job runs once, on one worker.
 TIERS = ("e2e", "integration", "unit")
 
 
