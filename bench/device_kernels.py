@@ -1,6 +1,6 @@
 """The Pallas kernels compiled for real on an accelerator: checked against their jnp references,
-then timed against the float path they replace. Prepared for the device machine (an NVIDIA H200
-when one is lent); on a CPU it refuses rather than report interpret-mode timings as kernel speed.
+then timed against the float path they replace, on an NVIDIA GPU or a TPU; on a CPU it refuses
+rather than report interpret-mode timings as kernel speed.
 
   python bench/device_kernels.py --out=$OUT/device_kernels.json     # on the GPU / TPU machine
 

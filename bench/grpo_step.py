@@ -134,9 +134,9 @@ def jaxrl_source() -> dict:
 def grpo_loss(w: Workload):
   """jaxrl's GRPO loss: PPO clip, k3 KL to the reference, token-mean.
 
-  Issue 12 turns `GRPOLoss(graphdef, policy_loss=, eps_low=, beta=, ...)` into
-  `PolicyLoss(graphdef, loss=PolicyLossConfig, kl=KLConfig)`; this builds whichever the checkout
-  has, with the same settings.
+  Older versions of jaxrl have `GRPOLoss(graphdef, policy_loss=, eps_low=, beta=, ...)`, newer
+  ones `PolicyLoss(graphdef, loss=PolicyLossConfig, kl=KLConfig)`; this builds whichever the
+  checkout has, with the same settings.
   """
   if hasattr(objectives, "PolicyLoss"):
     from jaxrl.config import KLConfig, PolicyLossConfig
