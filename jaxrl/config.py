@@ -58,6 +58,12 @@ class MeshConfig:
     help="MoE expert parallelism: > 1 adds an 'expert' mesh axis that splits the experts (and "
     "the batch); tokens go to their experts' devices by all-to-all (jaxrl.models.moe)",
   )
+  devices: int = _field(
+    0,
+    lo=0,
+    help="how many of the devices the run takes, the first ones (0 = all; one process only): "
+    "the mesh's sizes multiply to it",
+  )
   rules: str = _field(
     "fsdp_tp",
     choices=("fsdp_tp", "replicated"),

@@ -414,25 +414,33 @@ _run_entry(
   "a data axis that does not divide the devices",
   "config.mesh: mesh.fsdp=-1 cannot be inferred: the other sizes multiply to 3, which does not "
   "divide the 8 devices",
-  mesh={"data": 3},
+  mesh={"data": 3, "devices": 0},
 )
 _run_entry(
   "mesh shapes",
   "axes that multiply past the devices",
   "config.mesh: mesh.data=1 * mesh.fsdp=16 * mesh.tensor=1 = 16 must equal the 8 devices",
-  mesh={"fsdp": 16},
+  mesh={"fsdp": 16, "devices": 0},
 )
 _run_entry(
   "mesh shapes",
   "a tensor axis wider than the devices",
   "config.mesh: mesh.fsdp=-1 cannot be inferred: the other sizes multiply to 16",
-  mesh={"data": 2, "tensor": 8},
+  mesh={"data": 2, "tensor": 8, "devices": 0},
+)
+_run_entry(
+  "mesh shapes",
+  "more devices than there are",
+  "config.mesh.devices=9 cannot be taken from the 8 devices of 1 process(es); allowed: 0 (all), "
+  "or 1 to 8 in a one-process run",
+  mesh={"devices": 9},
 )
 _run_entry(
   "mesh shapes",
   "a batch that does not split over the batch axes",
   "config.sft.batch_size = 12 rows is invalid; allowed: a multiple of 8, the devices each batch "
   "is split over",
+  mesh={"devices": 0},
   sft={"batch_size": 12},
 )
 _run_entry(

@@ -59,6 +59,14 @@ class Run:
   def build(cls, cfg: Config) -> Run:
     tok = components.build_tokenizer(cfg.model)
     devices, sampler_mesh = jax.devices(), None
+    if cfg.mesh.devices:
+      if jax.process_count() > 1 or cfg.mesh.devices > len(devices):
+        raise ConfigError(
+          f"config.mesh.devices={cfg.mesh.devices} cannot be taken from the {len(devices)} "
+          f"devices of {jax.process_count()} process(es); allowed: 0 (all), or 1 to "
+          f"{len(devices)} in a one-process run"
+        )
+      devices = devices[: cfg.mesh.devices]
     if cfg.rl.placement.kind == "split":
       # The learner takes config.mesh's sizes over its share; the sampler replicates the
       # weights and splits its rows over all of its devices (decode reads every weight).
