@@ -7,6 +7,7 @@ from pathlib import Path
 import nbformat
 import pytest
 from nbclient import NotebookClient
+from xla_env import xla_flags
 
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOKS = sorted((ROOT / "colab").glob("*.ipynb"))
@@ -51,7 +52,7 @@ def test_every_notebook_has_its_check():
 def test_notebook_runs(path, monkeypatch):
   nb = nbformat.read(path, as_version=4)
   # The kernel starts fresh: one CPU device, not the 8 simulated ones of the test session.
-  monkeypatch.setenv("XLA_FLAGS", "")
+  monkeypatch.setenv("XLA_FLAGS", xla_flags(None))
   monkeypatch.setenv("JAX_PLATFORMS", "cpu")
   client = NotebookClient(
     nb, timeout=900, kernel_name="python3", resources={"metadata": {"path": str(ROOT)}}

@@ -40,6 +40,7 @@ def test_full_config_validates_and_documents_itself(path):
 def test_smoke_variant_runs_and_learns(path, tmp_path):
   cfg = _load(path).get_config("smoke")
   cfg.workdir = str(tmp_path)
+  cfg.mesh.devices = 1  # the one CPU device a user's `launch/train.sh ...:smoke` runs on
   cfg.log.progress = False
   trainer = Trainer(validate(cfg), log=lambda *_: None)
   init = jax.device_get(trainer.ctx.init_params)

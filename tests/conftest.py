@@ -1,12 +1,17 @@
-"""Test session setup: 8 simulated CPU devices (set before jax is imported) and float32 matmuls."""
+"""Test session setup: 8 simulated CPU devices and quick code generation (set before jax is
+imported), and float32 matmuls."""
 
 import gc
 import os
 import tempfile
 
-os.environ["XLA_FLAGS"] = (
-  os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-).strip()
+from xla_env import xla_flags
+
+# The suite's programs are tiny and each runs a few times, so on a CPU compiling them costs more
+# than running them: LLVM generates their code at a quicker level (tests/xla_env.py; XLA's HLO
+# passes are unchanged). A level set in XLA_FLAGS is kept:
+# `XLA_FLAGS=--xla_backend_optimization_level=3` tests with XLA's default code generation.
+os.environ["XLA_FLAGS"] = xla_flags(devices=8)
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 # A persistent XLA compilation cache shared by the session's workers and every child process

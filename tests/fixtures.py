@@ -2,8 +2,10 @@
 config every trainer test starts from, and the tiny model with its weights drawn once.
 
 `smoke_config(workdir, rl={"steps": 2}, ...)` is the default job's `:smoke` variant
-(configs/grpo_arith.py) on the tiny model (prime sizes, so a transposed weight shows), with no
-progress bar and no TensorBoard, written to `workdir`; each keyword names a config section and
+(configs/grpo_arith.py) on the tiny model (prime sizes, so a transposed weight shows) and one
+of the session's 8 devices, with no progress bar and no TensorBoard, written to `workdir`. A
+test of sharding or placement asks for all 8 (`mesh={"devices": 0}`); on one device a run's
+programs compile and run about twice as fast on a CPU. each keyword names a config section and
 is merged into it key by key (nested sections too), or replaces a top-level value. `config=`
 starts from another file of configs/ instead. The builder is also a plain function, for code
 outside pytest (tests/multihost_worker.py).
@@ -28,6 +30,7 @@ def smoke_configdict(workdir, config: str = "grpo_arith", **sections):
   c.log.progress = False
   c.log.tensorboard = False
   c.model.preset = "tiny"
+  c.mesh.devices = 1
   for name, value in sections.items():
     if isinstance(value, dict) and name in c and hasattr(c[name], "update"):
       c[name].update(value)  # merged key by key, nested sections too

@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from xla_env import xla_flags
 
 from jaxrl.models import ModelConfig, Transformer
 from jaxrl.models.transformer import apply as _apply
@@ -232,8 +233,9 @@ CHILD_TIMEOUT_S = 1800
 def child_env(**extra) -> dict:
   """This process's environment for a child process (tests/conftest.py has put the suite's
   compilation cache in it), plus `extra`, with Python's faulthandler on: a child aborted at its
-  bound prints every thread's stack."""
-  return dict(os.environ, PYTHONFAULTHANDLER="1", **extra)
+  bound prints every thread's stack. The child sees one CPU device, as a user's command does
+  (XLA_FLAGS in `extra` chooses otherwise), and compiles as the session does."""
+  return {**os.environ, "PYTHONFAULTHANDLER": "1", "XLA_FLAGS": xla_flags(None), **extra}
 
 
 def wait_children(procs, timeout: float = CHILD_TIMEOUT_S) -> list[str]:

@@ -6,6 +6,7 @@ import json
 import shutil
 
 import pytest
+from xla_env import xla_flags
 
 from launch import fault_inject
 
@@ -25,6 +26,7 @@ def test_three_kills_end_identical_to_the_uninterrupted_run(tmp_path, monkeypatc
   # moments are scaled from that run, and a try reading the suite's compilation cache could
   # reach them (or its end) sooner.
   monkeypatch.delenv("JAX_COMPILATION_CACHE_DIR", raising=False)
+  monkeypatch.setenv("XLA_FLAGS", xla_flags(None))  # one CPU device, as a user's command has
   args = ["--config=configs/grpo_arith.py:smoke", "--kills=3", f"--out={tmp_path}", "--seed=1"]
   assert fault_inject.main(args + [x for o in SMALL for x in ("--set", o)]) == 0
   report = json.loads((tmp_path / "report.json").read_text())

@@ -20,6 +20,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from helpers import child_env, run_child, wait_children
+from xla_env import xla_flags
 
 from jaxrl import distributed
 
@@ -69,9 +70,7 @@ def _jsonl_files(folder: Path) -> Path:
 def _start(job: str, out: Path, processes: int, devices_each: int, **flags) -> list:
   """One run of the worker's `job`: `processes` processes of `devices_each` CPU devices."""
   out.mkdir(parents=True)
-  env = child_env(
-    XLA_FLAGS=f"--xla_force_host_platform_device_count={devices_each}", JAX_PLATFORMS="cpu"
-  )
+  env = child_env(XLA_FLAGS=xla_flags(devices_each), JAX_PLATFORMS="cpu")
   cmd = [sys.executable, str(WORKER), f"--job={job}", f"--out={out}", f"--workdir={out / 'run'}"]
   cmd += [f"--{k}={v}" for k, v in flags.items()]
   if processes > 1:

@@ -37,8 +37,13 @@ from jaxrl import distributed  # noqa: E402  (before anything else touches jax's
 
 ROWS, LENGTH = 16, 12
 # The trainer jobs run the default job's `:smoke` as a user would: its own model (not the suite's
-# tiny one), progress bars and TensorBoard, which smoke_configdict's test defaults turn off.
-AS_SMOKE = {"model": {"preset": "arith_small"}, "log": {"progress": True, "tensorboard": True}}
+# tiny one), every device of every process, progress bars and TensorBoard, which
+# smoke_configdict's test defaults turn off.
+AS_SMOKE = {
+  "model": {"preset": "arith_small"},
+  "mesh": {"devices": 0},
+  "log": {"progress": True, "tensorboard": True},
+}
 
 
 def _row(i: int, vocab: int) -> dict:

@@ -50,7 +50,9 @@ def _compile(what: str, topologies: tuple[str, ...]) -> dict[str, tuple[dict, di
   # compile for several topologies at once.
   env = child_env(JAX_PLATFORMS="cpu", ALLOW_MULTIPLE_LIBTPU_LOAD="1")
   env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(_libtpu_dir()), env.get("PYTHONPATH")]))
+  # Uncached, and XLA's flags as a user's (the suite's CPU-only ones could reach XLA:TPU).
   env.pop("JAX_COMPILATION_CACHE_DIR", None)
+  env.pop("XLA_FLAGS", None)
   run = run_child([sys.executable, str(HERE / "tpu_aot.py"), what, ",".join(topologies)], env=env)
   lines = [json.loads(ln) for ln in run.stdout.splitlines() if ln.startswith("{")]
   assert run.returncode == 0 and lines, run.stderr[-4000:]
@@ -143,6 +145,7 @@ def test_a_grpo_train_step_and_the_engines_decode_compile_for_a_tpu_slice(tmp_pa
   cmd += ["--fsdp=2", "--tensor=2", "--batch=8", "--seq=32", "--slots=4", f"--out={out}"]
   env = child_env()
   env.pop("JAX_COMPILATION_CACHE_DIR", None)  # as for the other TPU compiles
+  env.pop("XLA_FLAGS", None)
   run = run_child(cmd, env=env)
   assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
   (report,) = json.loads(out.read_text())["runs"]

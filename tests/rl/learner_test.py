@@ -18,6 +18,7 @@ pytestmark = pytest.mark.integration
 def _config(workdir, **rl):
   return smoke_config(
     workdir,
+    mesh={"devices": 0},  # sharded over all 8 test devices: what could move implicitly, would
     sft={"steps": 2},
     rl={"steps": 2, "prompts_per_step": 4, "group_size": 4, **rl},
     eval={"every": 0, "num_examples": 8, "num_samples": 0},

@@ -1,6 +1,7 @@
 """RL loop tests: the sampler reads the learner's arrays, compile once, exact resume."""
 
 import dataclasses
+import functools
 import json
 import re
 
@@ -18,9 +19,11 @@ from jaxrl.rl.loop import Trainer
 from jaxrl.rollout.sampling import SamplingParams
 
 
-def _config(workdir, **rl):
+def _config(workdir, devices=1, **rl):
+  """The loop tests' run; `devices=0`: on all 8 test devices (sharded state, split placement)."""
   return smoke_config(
     workdir,
+    mesh={"devices": devices},
     sft={"steps": 10},
     rl={"steps": 4, **rl},
     eval={"every": 2, "num_examples": 16},
@@ -44,7 +47,7 @@ RUNS = {"default": ("continuous", 0.0), "static-kl": ("static", 0.05)}
 @pytest.fixture(scope="module", params=list(RUNS))
 def run_with_spy(request, tmp_path_factory):
   batching, beta = RUNS[request.param]
-  cfg = _config(tmp_path_factory.mktemp("spy"), kl={"beta": beta})
+  cfg = _config(tmp_path_factory.mktemp("spy"), devices=0, kl={"beta": beta})
   cfg = dataclasses.replace(
     cfg,
     rl=dataclasses.replace(cfg.rl, rollout=dataclasses.replace(cfg.rl.rollout, batching=batching)),
@@ -228,16 +231,19 @@ SPLIT_PARTIAL = {**PARTIAL, **SPLIT}
   ids=["sync", "partial", "greso", "stale", "split", "split_partial"],
 )
 def test_resume_repeats_an_uninterrupted_run(tmp_path, rl):
-  full = Trainer(_config(tmp_path / "full", **rl), log=lambda *_: None)
+  # Sharded over all 8 test devices where the sharding is part of what is restored (the plain
+  # run) or placement needs them (split sub-meshes); the other variants on one device.
+  config = functools.partial(_config, devices=0 if rl in ({}, SPLIT, SPLIT_PARTIAL) else 1, **rl)
+  full = Trainer(config(tmp_path / "full"), log=lambda *_: None)
   full.run()
   full_params = jax.device_get(full.state.policy.params)
   full.close()
 
-  part = Trainer(_config(tmp_path / "part", **rl), log=lambda *_: None)
+  part = Trainer(config(tmp_path / "part"), log=lambda *_: None)
   part.run(until=2)
   assert part.rl_ckpt.latest_step() == 2
   part.close()
-  resumed = Trainer(_config(tmp_path / "part", **rl), log=lambda *_: None)
+  resumed = Trainer(config(tmp_path / "part"), log=lambda *_: None)
   resumed.run()
   resumed_params = jax.device_get(resumed.state.policy.params)
   resumed.close()
@@ -258,6 +264,25 @@ def test_resume_repeats_an_uninterrupted_run(tmp_path, rl):
     lines = rl_metric_lines(tmp_path / "full")
     assert lines[1]["partial/carried_sequences"] > 0
     assert lines[2]["partial/resumed_sequences"] > 0
+
+
+def test_mesh_devices_takes_the_first_devices_and_the_split_shares_them(tmp_path):
+  def devices(tree):
+    return {d for x in jax.tree.leaves(tree) for d in x.sharding.device_set}
+
+  trainer = Trainer(_config(tmp_path / "two", devices=2), log=lambda *_: None)
+  try:
+    assert trainer.ctx.mesh.devices.size == 2
+    assert devices(trainer.ctx.init_params) == set(jax.devices()[:2])
+  finally:
+    trainer.close()
+  split = {"kind": "split", "sampler_fraction": 0.5}
+  trainer = Trainer(_config(tmp_path / "split", devices=4, placement=split), log=lambda *_: None)
+  try:  # the learner takes 2 of the first 4 devices, the sampler the other 2
+    assert devices(trainer.ctx.init_params) == set(jax.devices()[:2])
+    assert set(trainer.ctx.sampler_mesh.devices.flat) == set(jax.devices()[2:4])
+  finally:
+    trainer.close()
 
 
 @pytest.mark.e2e
@@ -368,8 +393,8 @@ def test_grpo_raises_a_learnable_reward(tmp_path):
   assert np.mean(reward[-2:]) > np.mean(reward[:2]) + 0.2, reward
 
 
-def _rl_trainer(tmp_path, reward_name, **rl):
-  cfg = _config(tmp_path, prompts_per_step=4, group_size=4, **rl)
+def _rl_trainer(tmp_path, reward_name, devices=1, **rl):
+  cfg = _config(tmp_path, devices, prompts_per_step=4, group_size=4, **rl)
   cfg = dataclasses.replace(cfg, reward=RewardConfig(reward_name, "raise"))
   trainer = Trainer(cfg, log=lambda *_: None)
   trainer.state = trainer.learner.init(trainer.ctx.init_params)
@@ -574,7 +599,9 @@ def test_skipping_zero_advantage_rows_leaves_the_update_as_it_was(tmp_path):
     a = int(record["prompt"].split("+")[0].split("-")[0])
     return 0.5 if a % 2 else float(len(completion) % 2)
 
-  trainer, it, _ = _rl_trainer(tmp_path, "odd_prompts_tie_for_skip_test", optim={"warmup_steps": 0})
+  trainer, it, _ = _rl_trainer(
+    tmp_path, "odd_prompts_tie_for_skip_test", devices=0, optim={"warmup_steps": 0}
+  )
   learner = trainer.learner
   assert learner.skip_rows
   while True:  # a batch with both kinds of group

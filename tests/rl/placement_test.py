@@ -18,6 +18,7 @@ pytestmark = pytest.mark.integration
 def _config(workdir, steps=5, **rl):
   return smoke_config(
     workdir,
+    mesh={"devices": 0},  # all 8 test devices: the split placement takes a share of them
     sft={"steps": 4},
     rl={"steps": steps, "prompts_per_step": 4, "group_size": 4, **rl},
     eval={"every": 0, "num_examples": 8},

@@ -87,7 +87,7 @@ def test_a_batch_that_does_not_split_over_the_mesh_is_a_config_error(
 ):
   # 8 test devices, the batch over all of them: 12 demonstrations or 3 prompts x 4 samples do
   # not split. Before, JAX's IndivisibleError named no field, in RL after the whole warm-start.
-  cfg = _config(tmp_path)
+  cfg = _config(tmp_path, devices=0)
   part = dataclasses.replace(getattr(cfg, section), **{field: value})
   with pytest.raises(ConfigError, match=message + r".* of 8, the devices each batch is split"):
     Trainer(dataclasses.replace(cfg, **{section: part}), log=lambda *_: None)
