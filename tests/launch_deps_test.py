@@ -8,6 +8,7 @@ import importlib.metadata
 import pytest
 from packaging.requirements import Requirement
 from packaging.version import Version
+from xla_env import xla_flags
 
 from launch import deps
 
@@ -43,7 +44,8 @@ def test_the_upper_end_resolves_within_the_ranges_and_the_suite_runs_inside_them
 
 
 @pytest.mark.e2e
-def test_jaxrl_installs_and_runs_the_default_smoke_at_the_lower_end(reqs, tmp_path):
+def test_jaxrl_installs_and_runs_the_default_smoke_at_the_lower_end(reqs, tmp_path, monkeypatch):
+  monkeypatch.setenv("XLA_FLAGS", xla_flags(None))  # one CPU device, as a user's install has
   got = deps.build("lower", tmp_path / "venv", log=lambda *_: None)
   lower = deps.resolve("lower", reqs)
   assert got == {name: lower[name] for name in deps.lower_bounds(reqs)}

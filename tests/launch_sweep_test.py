@@ -7,6 +7,7 @@ from pathlib import Path
 
 import jax
 import pytest
+from xla_env import xla_flags
 
 from launch import sweep
 from launch.sweep_report import (
@@ -416,6 +417,7 @@ def test_end_to_end_smoke_run_then_skip(tmp_path, monkeypatch, capsys):
   if cache:
     monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", cache)
     monkeypatch.setenv("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
+  monkeypatch.setenv("XLA_FLAGS", xla_flags(None))  # one CPU device, as a user's sweep has
   out = tmp_path / "sweep"
   argv = ["run", "--config=configs/grpo_arith.py:smoke", "--seeds=0", "--isa=native"]
   argv += [f"--out={out}"]
@@ -424,7 +426,7 @@ def test_end_to_end_smoke_run_then_skip(tmp_path, monkeypatch, capsys):
     "sft.steps=10",
     "sft.batch_size=8",
     "rl.steps=2",
-    "rl.prompts_per_step=4",  # 4 x 2 rows: the batch splits over the 8 test devices
+    "rl.prompts_per_step=4",
     "rl.group_size=2",
     "eval.every=1",
     "eval.num_examples=16",
