@@ -1,5 +1,4 @@
-"""Test session setup: 8 simulated CPU devices and quick code generation (set before jax is
-imported), and float32 matmuls."""
+"""Test session setup: 8 simulated CPU devices (set before jax is imported) and float32 matmuls."""
 
 import gc
 import os
@@ -7,10 +6,7 @@ import tempfile
 
 from xla_env import xla_flags
 
-# The suite's programs are tiny and each runs a few times, so on a CPU compiling them costs more
-# than running them: LLVM generates their code at a quicker level (tests/xla_env.py; XLA's HLO
-# passes are unchanged). A level set in XLA_FLAGS is kept:
-# `XLA_FLAGS=--xla_backend_optimization_level=3` tests with XLA's default code generation.
+# (Other flags in XLA_FLAGS, such as an ISA cap, are kept: tests/xla_env.py.)
 os.environ["XLA_FLAGS"] = xla_flags(devices=8)
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
