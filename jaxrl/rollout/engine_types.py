@@ -31,7 +31,12 @@ def request_keys(seed: int, request_ids) -> np.ndarray:
   bad = ids[(ids < 0) | (ids >= 2**31)]
   if bad.size:
     raise ValueError(f"request_id must be in [0, 2**31), got {int(bad[0])}")
-  return np.asarray(_request_keys(np.int64(seed), ids.astype(np.uint32)))
+  # Padded to a power of two (at least 8): one program per bucket, not one per request count
+  # (a continuous-batching run admits every count from 1 to its slots). Each key depends on its
+  # own id only, so the padding changes none of them.
+  padded = np.zeros(max(8, 1 << max(ids.size - 1, 0).bit_length()), np.uint32)
+  padded[: ids.size] = ids
+  return np.asarray(_request_keys(np.int64(seed), padded))[: ids.size]
 
 
 @jax.jit

@@ -245,3 +245,23 @@ def test_sample_rows_with_and_without_filtering_rows_equals_sample_tokens(params
     t, lp = sample_tokens(jnp.asarray(logits[i : i + 1]), keys[i : i + 1], p)
     assert int(tokens[i]) == int(t[0]), (i, p)
     np.testing.assert_allclose(float(logp[i]), float(lp[0]), atol=1e-6)
+
+
+def test_request_keys_are_each_ids_fold_in_with_one_program_per_power_of_two(monkeypatch):
+  from jaxrl.rollout import engine_types
+
+  fresh = jax.jit(engine_types._request_keys.__wrapped__)  # its own cache, counted from empty
+  monkeypatch.setattr(engine_types, "_request_keys", fresh)
+  base = jax.random.key(5)
+  for n in (1, 3, 8, 9, 16, 17, 31):
+    ids = np.arange(n) * 7 + 3
+    want = [np.asarray(jax.random.key_data(jax.random.fold_in(base, int(i)))) for i in ids]
+    got = engine_types.request_keys(5, ids)
+    assert got.shape == (n, 2) and got.dtype == np.uint32
+    np.testing.assert_array_equal(got, np.stack(want))
+    np.testing.assert_array_equal(engine_types.request_key(5, int(ids[-1])), want[-1])
+  assert engine_types.request_keys(5, []).shape == (0, 2)
+  # counts 1-8 share the program of 8, 9-16 that of 16, 17-31 that of 32
+  assert fresh._cache_size() == 3
+  with pytest.raises(ValueError, match="request_id"):
+    engine_types.request_keys(5, [2**31])
