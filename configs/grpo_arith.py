@@ -107,9 +107,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.rl.steps = 6
     c.rl.prompts_per_step = 8
     c.rl.group_size = 4
-    c.eval.every = 3
+    c.eval.every = 0  # before SFT, before RL and after it
     c.eval.num_examples = 64
-    c.checkpoint.every = 3
+    c.checkpoint.every = 20  # SFT at 20, 40, 60; RL at its last step
   elif arg:
     raise ValueError(f"unknown config variant {arg!r}; valid: '' (full) or 'smoke'")
   return complete(c)
