@@ -35,6 +35,10 @@ def pytest_addoption(parser, pluginmanager):
   import crash_report
 
   pluginmanager.register(crash_report, "jaxrl_crash_report")
+  # tests/compile_report.py: compile, lowering and tracing seconds per test, on request.
+  import compile_report
+
+  pluginmanager.register(compile_report, "jaxrl_compile_report")
   # tests/fixtures.py: the shared smoke-config builder and tiny model.
   import fixtures
 
