@@ -1,5 +1,7 @@
 """Sampling tests: top-k / top-p against a numpy reference, draw statistics, behaviour logprobs."""
 
+import types
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -250,7 +252,10 @@ def test_sample_rows_with_and_without_filtering_rows_equals_sample_tokens(params
 def test_request_keys_are_each_ids_fold_in_with_one_program_per_power_of_two(monkeypatch):
   from jaxrl.rollout import engine_types
 
-  fresh = jax.jit(engine_types._request_keys.__wrapped__)  # its own cache, counted from empty
+  # A copy of the function, jitted: a cache of its own, counted from empty (jax shares one
+  # cache between jits of the same function object).
+  raw = engine_types._request_keys.__wrapped__
+  fresh = jax.jit(types.FunctionType(raw.__code__, raw.__globals__, raw.__name__))
   monkeypatch.setattr(engine_types, "_request_keys", fresh)
   base = jax.random.key(5)
   for n in (1, 3, 8, 9, 16, 17, 31):
