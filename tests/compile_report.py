@@ -49,15 +49,20 @@ def _listener(event: str, duration: float, **_) -> None:
     row["compiles"] += field == "compile_s"
 
 
+_runs_tests = False  # this process runs the tests (a pytest-xdist controller only hears of them)
+
+
 def pytest_configure(config):
-  if os.environ.get(ENV):  # after tests/conftest.py has set up jax's environment
+  global _runs_tests
+  _runs_tests = hasattr(config, "workerinput") or not getattr(config.option, "numprocesses", 0)
+  if os.environ.get(ENV) and _runs_tests:  # after tests/conftest.py has set up jax's environment
     import jax.monitoring
 
     jax.monitoring.register_event_duration_secs_listener(_listener)
 
 
 def pytest_runtest_logreport(report):
-  if os.environ.get(ENV):
+  if os.environ.get(ENV) and _runs_tests:
     _tests[_base(report.nodeid)]["wall_s"] += report.duration
 
 
