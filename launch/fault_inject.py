@@ -4,13 +4,19 @@ row once with the same values.
 
   python -m launch.fault_inject --config=configs/grpo_arith.py:smoke --kills=20 --out=/tmp/fi
 
-Kills are keyed on the try's progress, in turn: one inside the start-up (a random share of
-the uninterrupted run's time to its first checkpoint: imports, compiles, the restore), one
-inside a checkpoint write (when an orbax temporary directory appears), and one a random delay
+Kills are keyed on the try's progress, in turn: one inside a checkpoint write (when an orbax
+temporary directory appears), one inside the start-up (a random share of the quickest start-up
+seen so far: imports, compiles, the restore, up to a first checkpoint), and one a random delay
 after the try has committed a checkpoint of its own (so the series moves forward between
 kills). A job with C checkpoints therefore takes about 3C kills before it can finish; a try
 that finishes before its kill ends the series (the report counts the kills that landed).
 Writes OUT/report.json; exits 1 if the runs differ.
+
+With a persistent compilation cache (JAX_COMPILATION_CACHE_DIR), as a production restart has,
+the uninterrupted run fills it and every try loads its programs from it: a try's start-up is
+then shorter than the uninterrupted run's, which is why start-up kills are scaled from the
+start-ups of the tries themselves (the first try is killed inside a checkpoint write, so its
+start-up is seen before any start-up kill).
 """
 
 from __future__ import annotations
@@ -40,8 +46,10 @@ def _command(config: str, workdir: Path, overrides: list[str]) -> list[str]:
   ]
 
 
-def _writing(workdir: Path) -> bool:
-  return any(workdir.glob("checkpoints/*/*.orbax-checkpoint-tmp*"))
+def _writes(workdir: Path) -> set[Path]:
+  """The checkpoint writes under way (orbax's temporary directories; a killed try's stay behind
+  until the next try cleans them up)."""
+  return set(workdir.glob("checkpoints/*/*.orbax-checkpoint-tmp*"))
 
 
 def _committed(workdir: Path) -> set[str]:
@@ -49,22 +57,27 @@ def _committed(workdir: Path) -> set[str]:
   return {f"{p.parent.name}/{p.name}" for p in workdir.glob("checkpoints/*/*") if p.name.isdigit()}
 
 
-KINDS = ("start-up", "checkpoint write", "after a checkpoint")
+KINDS = ("checkpoint write", "start-up", "after a checkpoint")
 
 
 def _run_and_kill(cmd, workdir: Path, log, kind: str, delay: float, limit: float) -> dict:
   """Start `cmd` and SIGKILL it: after `delay` seconds ("start-up"), inside its first
   checkpoint write ("checkpoint write"), or `delay` seconds after it commits its first
-  checkpoint ("after a checkpoint"); at `limit` seconds whatever happened. What happened."""
-  before = _committed(workdir)
+  checkpoint ("after a checkpoint"); at `limit` seconds whatever happened. What happened,
+  with the seconds the try took to its first checkpoint write or commit ("started_s", None
+  if it was killed before either)."""
+  before, stale = _committed(workdir), _writes(workdir)
   proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
   t0 = time.monotonic()
-  caught, kill_at = False, delay if kind == "start-up" else None
+  caught, kill_at, started = False, delay if kind == "start-up" else None, None
   while proc.poll() is None:
     now = time.monotonic() - t0
     if now >= limit or (kill_at is not None and now >= kill_at):
       break
-    if kind == "checkpoint write" and _writing(workdir):
+    writing = bool(_writes(workdir) - stale)
+    if started is None and (writing or _committed(workdir) - before):
+      started = now
+    if kind == "checkpoint write" and writing:
       caught = True
       break
     if kind == "after a checkpoint" and kill_at is None and _committed(workdir) - before:
@@ -80,6 +93,7 @@ def _run_and_kill(cmd, workdir: Path, log, kind: str, delay: float, limit: float
     "inside_checkpoint_write": caught,
     "finished_before_the_kill": finished,
     "returncode": proc.returncode,
+    "started_s": None if started is None else round(started, 3),
   }
 
 
@@ -190,6 +204,8 @@ def main(argv=None) -> int:
       kind = KINDS[i % len(KINDS)]
       delay = rng.uniform(0.2, 1.0) * ready if kind == "start-up" else rng.uniform(0.0, gap)
       kill = _run_and_kill(cmd, out / "killed", log, kind, delay, limit=2 * wall)
+      if kill["started_s"] is not None:  # the quickest start-up seen scales the next ones
+        ready = min(ready, kill["started_s"])
       kills.append(kill)
       print(f"[fault_inject] kill {i + 1}/{args.kills}: {kill}", flush=True)
       if kill["finished_before_the_kill"]:  # nothing left to interrupt: a longer job for more
