@@ -468,7 +468,9 @@ def test_the_policy_loss_fake_quantizes_only_the_weights_when_asked():
     f(rng.normal(-2, 0.3, size=(2, 9))) * mask, jnp.zeros((2, 9)), jnp.zeros((2, 9), jnp.int32),
   )  # fmt: skip
   got, _ = jax.jit(PolicyLoss(graphdef, fake_quant="fp4", fake_quant_part="weights"))(params, batch)
-  deq = _map_projections(params, lambda w, n: dequantize(quantize_weight(w, n, "fp4")))
+  deq = jax.jit(
+    lambda p: _map_projections(p, lambda w, n: dequantize(quantize_weight(w, n, "fp4")))
+  )(params)
   want, _ = jax.jit(PolicyLoss(graphdef))(deq, batch)
   both, _ = jax.jit(PolicyLoss(graphdef, fake_quant="fp4"))(params, batch)
   np.testing.assert_allclose(float(got), float(want), rtol=1e-5)

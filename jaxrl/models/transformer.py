@@ -226,11 +226,17 @@ def make_model(cfg: ModelConfig, seed: int = 0) -> tuple[nnx.GraphDef, nnx.State
   """Build a model and split it once into (graphdef, params); hot paths take `params`.
 
   Initialisation runs as one jitted program: eagerly, every parameter shape would compile its
-  own random-number kernel (seconds each on CPU).
+  own random-number kernel (seconds each on CPU). The seed is an argument of that program, not
+  a constant in it, so every seed of a config runs the one compiled program (from a persistent
+  compilation cache, too); the weights are those `nnx.Rngs(params=seed)` draws.
   """
   graphdef, _ = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(params=seed))))
-  params = jax.jit(lambda: nnx.split(Transformer(cfg, rngs=nnx.Rngs(params=seed)))[1])()
-  return graphdef, params
+
+  def init(key_data):
+    return nnx.split(Transformer(cfg, rngs=nnx.Rngs(params=jax.random.wrap_key_data(key_data))))[1]
+
+  # The key nnx.Rngs(params=seed) makes, as data: a traced argument of the program.
+  return graphdef, jax.jit(init)(jax.random.key_data(jax.random.key(seed)))
 
 
 def apply(graphdef: nnx.GraphDef, params: nnx.State, *args, **kwargs):

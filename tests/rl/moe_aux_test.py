@@ -80,7 +80,7 @@ def test_policy_and_sft_losses_add_the_aux_losses_and_train_the_router_through_t
 
   # The router learns from the aux losses alone (zero advantages: no policy gradient).
   def router_grads(loss):
-    g = jax.grad(lambda p: loss(p, batch)[0])(params)
+    g = jax.jit(jax.grad(lambda p: loss(p, batch)[0]))(params)
     return [
       np.asarray(v)
       for path, v in jax.tree_util.tree_leaves_with_path(g)
