@@ -67,6 +67,32 @@ def _row(i: int, vocab: int) -> dict:
   }
 
 
+def _every_process_writes_the_compilation_cache() -> None:
+  """Let every process write the suite's persistent compilation cache, as process 0 does.
+
+  JAX writes entries from process 0 only, and a process's cache keys name its own devices, so
+  process 1 never finds an entry it could use: it compiled every program of every Trainer it
+  built (the stopped and resumed runs three times over) while process 0 loaded them, and
+  process 0 waited at the next collective. An entry is the executable a fresh compile of the
+  same key gives, so this changes how long the processes take, not what they run."""
+  from jax._src import compiler
+  from jax._src import distributed as jax_distributed
+
+  write = getattr(compiler, "_cache_write", None)
+  if write is None:  # another JAX: each process compiles for itself, as before
+    return
+
+  def write_from_any_process(*args, **kwargs):
+    state = jax_distributed.global_state
+    me, state.process_id = state.process_id, 0
+    try:
+      return write(*args, **kwargs)
+    finally:
+      state.process_id = me
+
+  compiler._cache_write = write_from_any_process
+
+
 def main() -> None:
   ap = argparse.ArgumentParser()
   ap.add_argument("--job", required=True, choices=("core", "trainer", "split"))
@@ -78,6 +104,7 @@ def main() -> None:
   ap.add_argument("--workdir", default="")
   args = ap.parse_args()
   joined = distributed.initialize(args.coordinator, args.num_processes)
+  _every_process_writes_the_compilation_cache()
 
   import jax
 
