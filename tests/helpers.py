@@ -58,9 +58,14 @@ def tiny_model(seed: int = 0):
   return (cfg, *numpy_model(cfg, seed))
 
 
-def perturbed_model(cfg: ModelConfig, seed: int = 0):
-  """(graphdef, params): `make_model`'s init with every leaf (norm scales too) moved by 0.1 x
-  N(0, 1), so a norm wired to the wrong place shows."""
+def perturbed_model(cfg: ModelConfig, seed: int = 0, *, from_init: bool = False):
+  """(graphdef, params) with no leaf at a value that could hide a wiring error: `numpy_model`'s
+  weights with the LoRA B factors drawn too (not zero), so a misplaced adapter shows as well as a
+  misplaced norm; no init program is compiled (a jax.random init compiles a kernel per leaf
+  shape, seconds per config). from_init=True: `make_model`'s init with every leaf moved by
+  0.1 x N(0, 1), for a check whose tolerance is stated at init's scale."""
+  if not from_init:
+    return numpy_model(cfg, seed, zero_lora_b=False)
   graphdef, params = make_model(cfg, seed=seed)
   leaves, treedef = jax.tree.flatten(params)
   keys = jax.random.split(jax.random.key(seed + 1), len(leaves))
