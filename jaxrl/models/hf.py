@@ -274,6 +274,44 @@ def _names(names) -> str:
   return ", ".join(names[:8]) + (f" (and {len(names) - 8} more)" if len(names) > 8 else "")
 
 
+def hf_model_config(
+  path: str | os.PathLike,
+  *,
+  dtype: str | None = None,
+  lora: Mapping[str, Any] | None = None,
+  execution: Mapping[str, Any] | None = None,
+) -> ModelConfig:
+  """The ModelConfig `load_hf_checkpoint(path, dtype=, lora=, execution=)` builds, from
+  config.json alone: no tensor is read, so a run can check it before loading any weight."""
+  return _read_config(Path(path), dtype=dtype, lora=lora, execution=execution)[0]
+
+
+def _read_config(path: Path, *, dtype, lora, execution) -> tuple[ModelConfig, dict]:
+  try:
+    hf_config = json.loads((path / "config.json").read_text())
+  except FileNotFoundError as e:
+    raise CheckpointFileError(f"{path} is not an HF checkpoint directory: no config.json") from e
+  except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    raise CheckpointFileError(f"{path / 'config.json'} is not valid JSON: {e}") from e
+  cfg = config_from_hf(hf_config)
+  if dtype is not None:
+    cfg = cfg.replace(dtype=dtype, param_dtype=dtype)
+  if lora:
+    bad = sorted(set(lora) - {"lora_rank", "lora_alpha", "lora_targets"})
+    if bad:
+      raise ValueError(
+        f"load_hf_checkpoint lora= has {bad}; allowed: lora_rank, lora_alpha, lora_targets"
+      )
+    cfg = cfg.replace(**lora)
+  if execution:
+    allowed = ("scan_layers", "remat", *KERNELS, "kernel_interpret")
+    bad = sorted(set(execution) - set(allowed))
+    if bad:
+      raise ValueError(f"load_hf_checkpoint execution= has {bad}; allowed: {allowed}")
+    cfg = cfg.replace(**execution)
+  return cfg, hf_config
+
+
 def load_hf_checkpoint(
   path: str | os.PathLike,
   *,
@@ -299,28 +337,7 @@ def load_hf_checkpoint(
   path = Path(path)
   if (mesh is None) != (rules is None):
     raise ValueError("load_hf_checkpoint needs both mesh= and rules=, or neither")
-  try:
-    hf_config = json.loads((path / "config.json").read_text())
-  except FileNotFoundError as e:
-    raise CheckpointFileError(f"{path} is not an HF checkpoint directory: no config.json") from e
-  except (json.JSONDecodeError, UnicodeDecodeError) as e:
-    raise CheckpointFileError(f"{path / 'config.json'} is not valid JSON: {e}") from e
-  cfg = config_from_hf(hf_config)
-  if dtype is not None:
-    cfg = cfg.replace(dtype=dtype, param_dtype=dtype)
-  if lora:
-    bad = sorted(set(lora) - {"lora_rank", "lora_alpha", "lora_targets"})
-    if bad:
-      raise ValueError(
-        f"load_hf_checkpoint lora= has {bad}; allowed: lora_rank, lora_alpha, lora_targets"
-      )
-    cfg = cfg.replace(**lora)
-  if execution:
-    allowed = ("scan_layers", "remat", *KERNELS, "kernel_interpret")
-    bad = sorted(set(execution) - set(allowed))
-    if bad:
-      raise ValueError(f"load_hf_checkpoint execution= has {bad}; allowed: {allowed}")
-    cfg = cfg.replace(**execution)
+  cfg, hf_config = _read_config(path, dtype=dtype, lora=lora, execution=execution)
   model_type = hf_config["model_type"]
   graphdef, abstract = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0))))
   plan = weight_plan(cfg, abstract, WEIGHT_MAPS[model_type])

@@ -16,7 +16,7 @@ from jaxrl.data.jsonl import JsonlTask
 from jaxrl.kernels import KERNELS
 from jaxrl.mesh import Rules, shard_params
 from jaxrl.models.config import ModelConfig, from_preset
-from jaxrl.models.hf import load_hf_checkpoint
+from jaxrl.models.hf import hf_model_config, load_hf_checkpoint
 from jaxrl.models.transformer import make_model
 from jaxrl.rewards.sandbox import Limits, SandboxUnavailableError
 from jaxrl.tokenizer import Tokenizer, load_tokenizer
@@ -45,18 +45,20 @@ def lora_options(model: ModelSection) -> dict:
   return dict(lora_rank=model.lora_rank, lora_alpha=model.lora_alpha, lora_targets=targets)
 
 
-def build_model(
-  model: ModelSection, tokenizer, mesh, rules: Rules, *, seed: int
-) -> tuple[ModelConfig, nnx.GraphDef, nnx.State]:
-  """(ModelConfig, graphdef, params placed on the mesh): an HF checkpoint read tensor by tensor
-  straight into its shardings (model.path), or a preset initialised from `seed`. With
-  model.lora_rank the model carries fresh adapters (B = 0: it starts equal to the base)."""
-  lora = lora_options(model)
-  execution = dict(
+def _execution(model: ModelSection) -> dict:
+  """How the forward runs (scan, remat, kernels): ModelConfig fields that leave params alone."""
+  return dict(
     scan_layers=model.scan_layers,
     remat=model.remat,
     **{name: getattr(model, name) for name in (*KERNELS, "kernel_interpret")},
   )
+
+
+def model_config(model: ModelSection, tokenizer) -> ModelConfig:
+  """The run's ModelConfig, without drawing or reading a weight: the preset with the
+  tokenizer's vocabulary, or the HF checkpoint's config.json (model.path). A run checks it
+  against the rest of its config before it pays for the weights."""
+  lora = lora_options(model)
   if model.path:
     if not (Path(model.path) / "config.json").is_file():
       raise ConfigError(
@@ -64,14 +66,8 @@ def build_model(
       )
     # model.dtype sets weights and activations alike (a bf16 checkpoint trains in f32 on CPU).
     try:
-      cfg, graphdef, params = load_hf_checkpoint(
-        model.path,
-        mesh=mesh,
-        rules=rules,
-        dtype=model.dtype,
-        lora=lora or None,
-        lora_seed=seed,
-        execution=execution,
+      cfg = hf_model_config(
+        model.path, dtype=model.dtype, lora=lora or None, execution=_execution(model)
       )
     except ValueError as e:
       raise ConfigError(f"config.model (path={model.path!r}): {e}") from e
@@ -80,16 +76,38 @@ def build_model(
         f"config.model.tokenizer has {tokenizer.vocab_size} ids, more than the checkpoint's "
         f"vocab_size={cfg.vocab_size}"
       )
-    return cfg, graphdef, params
-  overrides = dict(vocab_size=tokenizer.vocab_size, dtype=model.dtype, **lora, **execution)
+    return cfg
+  overrides = dict(vocab_size=tokenizer.vocab_size, dtype=model.dtype, **lora, **_execution(model))
   if model.max_seq_len:
     overrides["max_seq_len"] = model.max_seq_len
   try:
-    cfg = from_preset(model.preset, **overrides)
+    return from_preset(model.preset, **overrides)
   except ValueError as e:
     raise ConfigError(f"config.model.preset: {e}") from e
-  graphdef, params = make_model(cfg, seed=seed)
-  return cfg, graphdef, shard_params(params, mesh, rules)
+
+
+def build_model(
+  model: ModelSection, tokenizer, mesh, rules: Rules, *, seed: int
+) -> tuple[ModelConfig, nnx.GraphDef, nnx.State]:
+  """(ModelConfig, graphdef, params placed on the mesh): an HF checkpoint read tensor by tensor
+  straight into its shardings (model.path), or a preset initialised from `seed`. With
+  model.lora_rank the model carries fresh adapters (B = 0: it starts equal to the base)."""
+  cfg = model_config(model, tokenizer)
+  if not model.path:
+    graphdef, params = make_model(cfg, seed=seed)
+    return cfg, graphdef, shard_params(params, mesh, rules)
+  try:
+    return load_hf_checkpoint(
+      model.path,
+      mesh=mesh,
+      rules=rules,
+      dtype=model.dtype,
+      lora=lora_options(model) or None,
+      lora_seed=seed,
+      execution=_execution(model),
+    )
+  except ValueError as e:
+    raise ConfigError(f"config.model (path={model.path!r}): {e}") from e
 
 
 def build_teacher(

@@ -115,15 +115,9 @@ class Run:
     reward_fn = rewards.get(cfg.reward.name)
     if hasattr(reward_fn, "configured"):  # a code reward: its sandbox's limits
       reward_fn = components.sandboxed(reward_fn, cfg.reward.sandbox)
-    reward_pool = None
-    if cfg.reward.timeout_s > 0:
-      try:
-        reward_pool = RewardPool(
-          reward_fn, workers=cfg.reward.workers, timeout_s=cfg.reward.timeout_s
-        )
-      except ValueError as e:
-        raise ConfigError(f"config.reward.timeout_s={cfg.reward.timeout_s}: {e}") from e
-    model_cfg, graphdef, params = components.build_model(cfg.model, tok, mesh, rules, seed=cfg.seed)
+    # The model's config before its weights (seconds to minutes to draw or read): its errors
+    # come before any weight is paid for.
+    model_cfg = components.model_config(cfg.model, tok)
     rl = cfg.rl
     if rl.max_prompt_len + rl.max_new_tokens > model_cfg.max_seq_len:
       raise ConfigError(
@@ -157,6 +151,20 @@ class Run:
           f"config.rl.rollout.routes={rl.rollout.routes!r} is invalid; allowed: 'none' for a "
           "dense model (this model has no MoE layers to route)"
         )
+    reward_pool = None
+    if cfg.reward.timeout_s > 0:
+      try:
+        reward_pool = RewardPool(
+          reward_fn, workers=cfg.reward.workers, timeout_s=cfg.reward.timeout_s
+        )
+      except ValueError as e:
+        raise ConfigError(f"config.reward.timeout_s={cfg.reward.timeout_s}: {e}") from e
+    try:
+      _, graphdef, params = components.build_model(cfg.model, tok, mesh, rules, seed=cfg.seed)
+    except BaseException:
+      if reward_pool is not None:
+        reward_pool.close()
+      raise
     return cls(
       cfg=cfg,
       workdir=workdir,

@@ -101,8 +101,16 @@ def test_a_moe_model_on_an_expert_parallel_mesh_gives_the_unsharded_logits():
     ("tiny_moe", 2, r"config\.mesh\.expert=2 is invalid; allowed: a divisor of the model's 5"),
   ],
 )
-def test_an_expert_axis_the_model_cannot_use_is_a_config_error(tmp_path, preset, expert, message):
+def test_an_expert_axis_the_model_cannot_use_is_a_config_error(
+  tmp_path, monkeypatch, preset, expert, message
+):
+  from jaxrl.rl import components
 
+  def no_weights(*_, **__):
+    raise AssertionError("weights drawn before the model's config was checked")
+
+  # The model's config is checked before any weight is drawn (or read from a checkpoint).
+  monkeypatch.setattr(components, "make_model", no_weights)
   c = grpo_arith.get_config("smoke")
   c.workdir, c.model.preset, c.mesh.expert = str(tmp_path), preset, expert
   with pytest.raises(ConfigError, match=message):
