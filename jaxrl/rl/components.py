@@ -110,6 +110,14 @@ def build_model(
     raise ConfigError(f"config.model (path={model.path!r}): {e}") from e
 
 
+def _check_teacher_vocab(cfg: ModelConfig, student_cfg: ModelConfig) -> None:
+  if cfg.vocab_size < student_cfg.vocab_size:
+    raise ConfigError(
+      f"config.distill.teacher has vocab_size={cfg.vocab_size}, smaller than the student's "
+      f"{student_cfg.vocab_size}: teacher and student must share a tokenizer"
+    )
+
+
 def build_teacher(
   teacher: TeacherConfig, student_cfg, mesh, rules: Rules
 ) -> tuple[ModelConfig, nnx.GraphDef, nnx.State]:
@@ -126,6 +134,11 @@ def build_teacher(
         "(no config.json)"
       )
     try:
+      cfg = hf_model_config(teacher.path, dtype=teacher.dtype)
+    except ValueError as e:
+      raise ConfigError(f"config.distill.teacher (path={teacher.path!r}): {e}") from e
+    _check_teacher_vocab(cfg, student_cfg)  # from config.json, before any weight is read
+    try:
       cfg, graphdef, params = load_hf_checkpoint(
         teacher.path, mesh=mesh, rules=rules, dtype=teacher.dtype
       )
@@ -136,13 +149,9 @@ def build_teacher(
       cfg = from_preset(teacher.preset, vocab_size=student_cfg.vocab_size, dtype=teacher.dtype)
     except ValueError as e:
       raise ConfigError(f"config.distill.teacher.preset: {e}") from e
+    _check_teacher_vocab(cfg, student_cfg)
     graphdef, params = make_model(cfg, seed=teacher.seed)
     params = shard_params(params, mesh, rules)
-  if cfg.vocab_size < student_cfg.vocab_size:
-    raise ConfigError(
-      f"config.distill.teacher has vocab_size={cfg.vocab_size}, smaller than the student's "
-      f"{student_cfg.vocab_size}: teacher and student must share a tokenizer"
-    )
   return cfg, graphdef, params
 
 

@@ -6,9 +6,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from fixtures import smoke_configdict
+from helpers import numpy_model
 
 from jaxrl.models.config import ModelConfig
-from jaxrl.models.transformer import make_model, token_logprobs
+from jaxrl.models.transformer import token_logprobs
 from jaxrl.rl.distill import DistillBatch, teacher_scores
 
 pytestmark = pytest.mark.integration
@@ -110,16 +111,17 @@ def test_adaptive_window_probes_moves_and_resumes(tmp_path):
   assert _rl_lines(tmp_path / "part") == lines
 
 
-def test_hf_teacher_with_a_padded_vocab_and_bad_teachers(tmp_path):
+def test_hf_teacher_with_a_padded_vocab_and_bad_teachers(tmp_path, monkeypatch):
   from jaxrl.config import ConfigError, TeacherConfig
   from jaxrl.mesh import get_rules, make_mesh
   from jaxrl.models.hf import export_hf_checkpoint
+  from jaxrl.rl import components
   from jaxrl.rl.components import build_teacher
 
   student = ModelConfig.tiny(vocab_size=259)
   mesh, rules = make_mesh(1, -1, 1), get_rules("fsdp_tp")
   big = ModelConfig.tiny(vocab_size=263)  # an HF-style padded vocabulary
-  _, params = make_model(big, seed=2)
+  _, params = numpy_model(big, seed=2)
   export_hf_checkpoint(big, params, tmp_path / "big")
   cfg, graphdef, t_params = build_teacher(
     TeacherConfig(path=str(tmp_path / "big")), student, mesh, rules
@@ -135,8 +137,13 @@ def test_hf_teacher_with_a_padded_vocab_and_bad_teachers(tmp_path):
   assert logp.shape == (2, 6) and top.shape == (2, 6, 4)
 
   small = ModelConfig.tiny(vocab_size=200)
-  _, params = make_model(small, seed=2)
+  _, params = numpy_model(small, seed=2)
   export_hf_checkpoint(small, params, tmp_path / "small")
+
+  def no_weights(*_, **__):
+    raise AssertionError("weights read before the teacher's vocabulary was checked")
+
+  monkeypatch.setattr(components, "load_hf_checkpoint", no_weights)  # config.json decides
   with pytest.raises(ConfigError, match=r"vocab_size=200, smaller than the student's 259"):
     build_teacher(TeacherConfig(path=str(tmp_path / "small")), student, mesh, rules)
   with pytest.raises(ConfigError, match=r"config\.distill\.teacher\.path=.*\(no config\.json\)"):
