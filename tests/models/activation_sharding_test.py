@@ -8,11 +8,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import graphdef_of
+from helpers import graphdef_of, numpy_model
 
 from jaxrl import mesh as meshlib
 from jaxrl.models import ModelConfig, layers, transformer
-from jaxrl.models.transformer import make_model, token_logprobs
+from jaxrl.models.transformer import token_logprobs
 
 pytestmark = pytest.mark.integration
 
@@ -38,7 +38,7 @@ def _step(graphdef):
 
 
 def _inputs(mesh):
-  graphdef, params = make_model(CFG, seed=0)
+  graphdef, params = numpy_model(CFG, seed=0)
   params = meshlib.shard_params(params, mesh, RULES)
   rng = np.random.default_rng(0)
   tokens = jnp.asarray(rng.integers(3, CFG.vocab_size, size=(B, T)), jnp.int32)

@@ -6,6 +6,7 @@ import json
 import jax
 import numpy as np
 import pytest
+from helpers import numpy_model
 
 import configs.grpo_gsm8k as grpo_gsm8k
 from jaxrl.config import ConfigError, validate
@@ -13,7 +14,6 @@ from jaxrl.data import word_problems
 from jaxrl.mesh import get_rules, make_mesh
 from jaxrl.models.config import ModelConfig
 from jaxrl.models.hf import export_hf_checkpoint
-from jaxrl.models.transformer import make_model
 from jaxrl.rl import components
 from jaxrl.rl.loop import Trainer
 from jaxrl.tokenizer import ByteTokenizer, HFTokenizer
@@ -48,7 +48,7 @@ def hf_dir(tmp_path_factory):
   ).save_pretrained(path)
   vocab = HFTokenizer(path).vocab_size
   cfg = ModelConfig.tiny(vocab_size=vocab).replace(max_seq_len=384)
-  _, params = make_model(cfg, seed=3)
+  _, params = numpy_model(cfg, seed=3)
   export_hf_checkpoint(cfg, params, path)
   data = path / "data"
   data.mkdir()

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from fixtures import smoke_configdict
 from flax import nnx
+from helpers import numpy_model
 
 from jaxrl import rewards
 from jaxrl.config import CriticConfig, RewardConfig, validate
@@ -93,9 +94,7 @@ def test_values_read_the_policy_hidden_states_and_only_the_prefix(setup):
 def test_lora_policy_gives_a_critic_of_merged_weights(setup):
   critic, _, _ = setup
   cfg = dataclasses.replace(CFG, lora_rank=4, lora_alpha=8.0, lora_targets=("q", "down"))
-  _, params = make_model(cfg, seed=5)
-  # Non-zero B so that merging changes the weights.
-  params = jax.tree.map(lambda x: x + 0.01, params)
+  _, params = numpy_model(cfg, seed=5, zero_lora_b=False)  # B drawn: merging changes weights
   mesh, rules = make_mesh(1, -1, 1), get_rules("fsdp_tp")
   critic = Critic(cfg, CriticConfig(), total_updates=1, mesh=mesh, rules=rules)
   state = critic.init(cfg, params)
