@@ -1,11 +1,14 @@
-"""Code-execution rewards: the completion, completed into a program by the record, runs with the
-record's tests in the sandbox (jaxrl.rewards.sandbox), one contained process per completion.
+"""Code-execution rewards: the completion, completed into a program by the record, runs in the
+sandbox (jaxrl.rewards.sandbox), one contained process per completion, and the record's tests
+are checked against it by a harness the program cannot reach (jaxrl.rewards._harness).
 
 A record carries `code_prefix` (what the prompt opened, e.g. "def f(x):return ") and `tests`
 (Python expressions that must evaluate to True, e.g. "f(3)==11"). The program is
-
-    <code_prefix><completion>
-    <a harness that evaluates each test, catching its exceptions, and prints a report line>
+`<code_prefix><completion>`; each test is evaluated outside the program's process, with the
+program's functions called through a pipe and their results taken back as plain data only, so
+the program cannot shadow what a test uses, return an object that equals anything, exit early
+with success, print a report, or see a test's expected value. The threat model, and what each
+fence costs: docs/rewards.md.
 
 - "code_tests": 1.0 iff every test passes (verl's and TRL's pass/fail code reward);
 - "code_tests_passed": the fraction of tests that pass (partial credit).
@@ -15,39 +18,19 @@ agree) run once and share the outcome (`dedupe`, on by default): programs are ta
 deterministic, so one that draws random numbers or reads the clock gets one draw for all its
 copies. Set config.reward.sandbox.dedupe=False to run every copy.
 
-A program that does not compile, raises before the tests, runs out of time or memory, or
-prints past the output cap scores 0: that is the completion's failure, not the reward's. Only a
-sandbox that cannot start raises (an error per `reward.on_error`).
-
-The harness's report line carries a random token drawn per program; the completion runs in the
-same interpreter, so a program that inspects the harness's frames could forge it. A policy this
-size does not find that; a large one might (as with any in-process test runner).
+A program that does not compile, raises before its tests, runs out of time or memory, or prints
+past the output cap scores 0, and a test whose call raises fails: that is the completion's
+failure, not the reward's. Only a sandbox that cannot start raises (an error per
+`reward.on_error`).
 """
 
 from __future__ import annotations
 
-import json
-import secrets
 from collections.abc import Sequence
 from typing import Any
 
 from jaxrl.rewards import registry
 from jaxrl.rewards.sandbox import Limits, Outcome, SandboxPool
-
-_HARNESS = """
-def _jaxrl_report(tests, token):
-  import sys
-  passed = 0
-  for test in tests:
-    try:
-      passed += eval(test, globals()) is True
-    except BaseException:
-      pass
-  sys.stdout.write("\\n" + token + " " + str(passed) + " " + str(len(tests)) + "\\n")
-  sys.stdout.flush()
-_jaxrl_report({tests}, {token})
-"""
-
 
 _DEFAULT_LIMITS = Limits()
 
@@ -56,8 +39,8 @@ class SandboxError(RuntimeError):
   """The sandbox could not run a program (not the program's failure)."""
 
 
-def program(completion: str, record: dict[str, Any], token: str) -> str:
-  """The source run for `completion`: the record's prefix, the completion, the test harness."""
+def program(completion: str, record: dict[str, Any]) -> tuple[str, tuple[str, ...]]:
+  """(the source run for `completion`: the record's prefix and the completion, the tests)."""
   try:
     prefix, tests = record["code_prefix"], record["tests"]
   except KeyError as e:
@@ -67,21 +50,19 @@ def program(completion: str, record: dict[str, Any], token: str) -> str:
     ) from e
   if not isinstance(tests, list) or not all(isinstance(t, str) for t in tests) or not tests:
     raise ValueError(f"record['tests'] must be a non-empty list of strings, got {tests!r}")
-  harness = _HARNESS.format(tests=json.dumps(tests), token=json.dumps(token))
-  return f"{prefix}{completion}\n{harness}"
+  if not isinstance(prefix, str):
+    raise ValueError(f"record['code_prefix'] must be a string, got {prefix!r}")
+  return f"{prefix}{completion}\n", tuple(tests)
 
 
-def tests_passed(outcome: Outcome, token: str) -> tuple[int, int] | None:
-  """(passed, total) from the harness's report, or None if the program never got there."""
+def tests_passed(outcome: Outcome, n: int) -> tuple[int, int] | None:
+  """(passed, n) from the harness's report, or None if there is none covering all `n` tests
+  (the sandbox ended the program before the harness finished)."""
   if outcome.status == "setup":
     raise SandboxError(f"the sandbox could not start: {outcome.stderr.strip()[-500:]}")
-  if outcome.status != "ok":
+  if outcome.passed is None or len(outcome.passed) != n:
     return None
-  for line in reversed(outcome.stdout.splitlines()):
-    parts = line.split(" ")
-    if len(parts) == 3 and parts[0] == token:
-      return int(parts[1]), int(parts[2])
-  return None
+  return sum(outcome.passed), n
 
 
 class CodeTestsReward:
@@ -111,6 +92,11 @@ class CodeTestsReward:
     out.pool()
     return out
 
+  @property
+  def isolation(self) -> str:
+    """The isolation the programs run under on this host ("namespaces" or "limits")."""
+    return self.pool().isolation
+
   def pool(self) -> SandboxPool:
     if self._pool is None:
       self._pool = SandboxPool(self.limits, workers=self.workers)
@@ -126,9 +112,9 @@ class CodeTestsReward:
     return float(k == n) if self.all_or_nothing else k / n
 
   def __call__(self, completion: str, record: dict[str, Any]) -> float:
-    token = secrets.token_hex(8)
-    (outcome,) = self.pool().run_many([program(completion, record, token)])
-    return self._value(tests_passed(outcome, token))
+    source, tests = program(completion, record)
+    (outcome,) = self.pool().run_many([source], [tests])
+    return self._value(tests_passed(outcome, len(tests)))
 
   def score_batch(
     self, completions: Sequence[str], records: Sequence[dict[str, Any]]
@@ -136,25 +122,25 @@ class CodeTestsReward:
     """One ("ok", reward) or ("error", message) per sample, the programs run concurrently
     (with `dedupe`, each distinct program once)."""
     out: list = [None] * len(completions)
-    first: dict[str, int] = {}  # program (without its report token) -> its run's index
-    runs, tokens, copies = [], [], []  # per run: program, token; per sample: (i, run index)
+    first: dict[tuple, int] = {}  # (program, tests) -> its run's index
+    runs: list[tuple[str, tuple[str, ...]]] = []
+    copies = []  # per sample: (i, run index)
     for i, (completion, record) in enumerate(zip(completions, records, strict=True)):
       try:
-        key = program(completion, record, "")
+        key = program(completion, record)
       except (KeyError, ValueError) as e:
         out[i] = ("error", f"{type(e).__name__}: {e}")
         continue
       if not self.dedupe or key not in first:
         first[key] = len(runs)
-        tokens.append(secrets.token_hex(8))
-        runs.append(program(completion, record, tokens[-1]))
+        runs.append(key)
       copies.append((i, first[key] if self.dedupe else len(runs) - 1))
-    outcomes = self.pool().run_many(runs)
+    outcomes = self.pool().run_many([p for p, _ in runs], [t for _, t in runs])
     self.programs_run += len(runs)
     scored = []
-    for outcome, token in zip(outcomes, tokens, strict=True):
+    for outcome, (_, tests) in zip(outcomes, runs, strict=True):
       try:
-        scored.append(("ok", self._value(tests_passed(outcome, token))))
+        scored.append(("ok", self._value(tests_passed(outcome, len(tests)))))
       except SandboxError as e:
         scored.append(("error", f"SandboxError: {e}"))
     for i, r in copies:

@@ -39,14 +39,19 @@ import subprocess
 import sys
 import tempfile
 import time
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 
-from jaxrl.rewards import _sandbox_child
+from jaxrl.rewards import _harness, _sandbox_child
 
 ISOLATIONS = ("auto", "namespaces", "limits")
 _CHILD = Path(_sandbox_child.__file__)
-_NAMESPACES = ("--net", "--pid", "--fork", "--kill-child", "--mount", "--mount-proc", "--ipc")
+_HARNESS = Path(_harness.__file__)
+_REPORT_BYTES = 1 << 20
+_NAMESPACES = (
+  "--net", "--pid", "--fork", "--kill-child", "--mount", "--mount-proc", "--ipc", "--uts",
+)  # fmt: skip
 # Unprivileged uids for root-started sandboxes: one per concurrent slot (the process limit
 # counts a uid's processes), spread by the trainer's pid so two trainers rarely share one.
 _UID_BASE, _UIDS_PER_TRAINER = 200_000, 64
@@ -99,6 +104,7 @@ class Outcome:
   stdout: str
   stderr: str
   seconds: float
+  passed: tuple[bool, ...] | None = None  # with `run(..., tests=)`: the harness's verdicts
 
 
 @functools.cache
@@ -119,19 +125,38 @@ def _namespace_prefix() -> tuple[tuple[str, ...], bool] | None:
   return None
 
 
+def _why_no_namespaces() -> str:
+  return "missing" if shutil.which("unshare") is None else "refused by this host"
+
+
+@functools.cache
+def _warn_degraded() -> None:
+  """Once per process: isolation='auto' runs without namespaces here."""
+  warnings.warn(
+    f"sandbox isolation='auto' runs on resource limits and the audit hook alone: `unshare` is "
+    f"{_why_no_namespaces()}, so no network, PID or mount namespace fences the programs"
+    + ("" if os.geteuid() == 0 else ", and without root they keep this user's uid")
+    + "; set reward.sandbox.isolation='namespaces' to refuse to run this way",
+    RuntimeWarning,
+    stacklevel=3,
+  )
+
+
 def isolation(limits: Limits = Limits()) -> str:
   """ "namespaces" or "limits": what `limits.isolation` gets on this host. Raises
-  SandboxUnavailableError for isolation="namespaces" where `unshare` cannot make them."""
+  SandboxUnavailableError for isolation="namespaces" where `unshare` cannot make them; warns
+  once (a RuntimeWarning) when "auto" gets "limits"."""
   if limits.isolation == "limits":
     return "limits"
   if _namespace_prefix() is not None:
     return "namespaces"
   if limits.isolation == "namespaces":
     raise SandboxUnavailableError(
-      "sandbox isolation='namespaces' needs Linux namespaces, but `unshare` (util-linux) is "
-      f"{'missing' if shutil.which('unshare') is None else 'refused by this host'}; use "
-      "isolation='auto' or 'limits' to run on resource limits and the audit hook alone"
+      f"sandbox isolation='namespaces' needs Linux namespaces, but `unshare` (util-linux) is "
+      f"{_why_no_namespaces()}; use isolation='auto' or 'limits' to run on resource limits and "
+      "the audit hook alone"
     )
+  _warn_degraded()
   return "limits"
 
 
@@ -144,35 +169,58 @@ def _kill(proc: subprocess.Popen) -> None:
 
 
 def _collect(
-  proc: subprocess.Popen, limits: Limits, start: float
-) -> tuple[str | None, bytes, bytes]:
-  """Reads stdout/stderr until both close; returns (a status if the parent ended it, out, err)."""
-  bufs = {proc.stdout: bytearray(), proc.stderr: bytearray()}
+  proc: subprocess.Popen, limits: Limits, start: float, report_fd: int | None, stdin: bytes
+) -> tuple[str | None, bytes, bytes, bytes]:
+  """Feeds `stdin` and reads stdout, stderr and the report fd until they close; returns (a
+  status if the parent ended it, out, err, report)."""
+  bufs = {proc.stdout.fileno(): bytearray(), proc.stderr.fileno(): bytearray()}
+  if report_fd is not None:
+    bufs[report_fd] = bytearray()
+  out, err = proc.stdout.fileno(), proc.stderr.fileno()
   deadline = start + limits.wall_s
+  pending = memoryview(stdin)
+
+  def ended(status: str):
+    _kill(proc)
+    cap = limits.output_bytes
+    return status, bytes(bufs[out][:cap]), bytes(bufs[err][:cap]), b""
+
   with selectors.DefaultSelector() as sel:
-    for pipe in bufs:
-      sel.register(pipe, selectors.EVENT_READ)
-    while sel.get_map():
+    for fd in bufs:
+      sel.register(fd, selectors.EVENT_READ)
+    if proc.stdin is not None:
+      os.set_blocking(proc.stdin.fileno(), False)
+      sel.register(proc.stdin.fileno(), selectors.EVENT_WRITE)
+    while any(fd in bufs for fd in sel.get_map()):
       remaining = deadline - time.monotonic()
       if remaining <= 0:
-        _kill(proc)
-        return "timeout", bytes(bufs[proc.stdout]), bytes(bufs[proc.stderr])
+        return ended("timeout")
       for key, _ in sel.select(remaining):
+        if key.events & selectors.EVENT_WRITE:
+          try:
+            pending = pending[os.write(key.fd, pending) :]
+          except BrokenPipeError:  # the sandbox ended without reading: its status says why
+            pending = pending[:0]
+          if not pending:
+            sel.unregister(key.fd)
+            proc.stdin.close()
+          continue
         chunk = os.read(key.fd, 1 << 16)
         if not chunk:
-          sel.unregister(key.fileobj)
+          sel.unregister(key.fd)
           continue
-        bufs[key.fileobj] += chunk
-        if sum(map(len, bufs.values())) > limits.output_bytes:
-          _kill(proc)
-          cap = limits.output_bytes
-          return "output_limit", bytes(bufs[proc.stdout][:cap]), bytes(bufs[proc.stderr][:cap])
+        bufs[key.fd] += chunk
+        if key.fd == report_fd:
+          if len(bufs[key.fd]) > _REPORT_BYTES:
+            return ended("error")
+        elif len(bufs[out]) + len(bufs[err]) > limits.output_bytes:
+          return ended("output_limit")
   try:
     proc.wait(timeout=max(deadline - time.monotonic(), 0.0))
   except subprocess.TimeoutExpired:  # closed its pipes but kept running
-    _kill(proc)
-    return "timeout", bytes(bufs[proc.stdout]), bytes(bufs[proc.stderr])
-  return None, bytes(bufs[proc.stdout]), bytes(bufs[proc.stderr])
+    return ended("timeout")
+  report = bytes(bufs[report_fd]) if report_fd is not None else b""
+  return None, bytes(bufs[out]), bytes(bufs[err]), report
 
 
 def _status(code: int) -> str:
@@ -192,20 +240,35 @@ def _status(code: int) -> str:
 
 
 def run(
-  program: str, limits: Limits = Limits(), *, slot: int = 0, audit_hook: bool = True
+  program: str,
+  limits: Limits = Limits(),
+  *,
+  slot: int = 0,
+  audit_hook: bool = True,
+  tests: Sequence[str] | None = None,
 ) -> Outcome:
   """Runs `program` (Python source) in a sandbox; never raises for anything the program does.
+
+  With `tests` (Python expressions), the program is run and then tested by the harness
+  (`jaxrl.rewards._harness`): the tests are evaluated in the sandbox's supervisor, outside the
+  program's process, and `Outcome.passed` has one bool per test (None if the sandbox ended
+  before its report: a timeout, or a program that flooded its output).
 
   `slot` picks the uid of a root-started sandbox (one per concurrent program); `audit_hook=False`
   leaves only the OS's fences (the tests' check that those hold on their own)."""
   mode = isolation(limits)
   prefix, drops_root = _namespace_prefix() if mode == "namespaces" else ((), False)
   start = time.monotonic()
+  report_r = report_w = None
   with tempfile.TemporaryDirectory(prefix="jaxrl-sandbox-") as tmp:
     path = Path(tmp) / "program.py"
     path.write_text(program, encoding="utf-8")
+    if tests is not None:
+      report_r, report_w = os.pipe()
     spec = {
       "program": str(path),
+      "harness": str(_HARNESS) if tests is not None else None,
+      "report_fd": report_w,
       "mount": mode == "namespaces",
       "tmpfs_mb": max(4 * limits.file_size_mb, 16),
       "workdir": str(Path(tmp) / "work"),
@@ -221,17 +284,27 @@ def run(
       "audit": audit_hook,
     }
     cmd = [*prefix, sys.executable, "-I", "-S", "-B", str(_CHILD), json.dumps(spec)]
-    proc = subprocess.Popen(
-      cmd,
-      stdin=subprocess.DEVNULL,
-      stdout=subprocess.PIPE,
-      stderr=subprocess.PIPE,
-      env={},
-      cwd=tmp,
-      start_new_session=True,
-    )
-    with proc:
-      ended, out, err = _collect(proc, limits, start)
+    try:
+      proc = subprocess.Popen(
+        cmd,
+        stdin=subprocess.DEVNULL if tests is None else subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env={},
+        cwd=tmp,
+        start_new_session=True,
+        pass_fds=() if report_w is None else (report_w,),
+      )
+    finally:
+      if report_w is not None:
+        os.close(report_w)  # the supervisor's now: the report pipe ends when it exits
+    try:
+      with proc:
+        stdin = json.dumps(list(tests)).encode() if tests is not None else b""
+        ended, out, err, report = _collect(proc, limits, start, report_r, stdin)
+    finally:
+      if report_r is not None:
+        os.close(report_r)
   status = ended or _status(proc.returncode)
   return Outcome(
     status=status,
@@ -239,7 +312,19 @@ def run(
     stdout=out.decode("utf-8", errors="replace"),
     stderr=err.decode("utf-8", errors="replace"),
     seconds=time.monotonic() - start,
+    passed=_passed(report, len(tests)) if tests is not None and not ended else None,
   )
+
+
+def _passed(report: bytes, n: int) -> tuple[bool, ...] | None:
+  """The supervisor's report, if it covers every one of the `n` tests."""
+  try:
+    passed = json.loads(report)["passed"]
+  except (ValueError, TypeError, KeyError):
+    return None
+  if type(passed) is not list or len(passed) != n or any(type(p) is not bool for p in passed):
+    return None
+  return tuple(passed)
 
 
 class SandboxPool:
@@ -257,16 +342,21 @@ class SandboxPool:
       self._slots.put(slot)
     self._executor = cf.ThreadPoolExecutor(workers, thread_name_prefix="sandbox")
 
-  def _run(self, program: str) -> Outcome:
+  def _run(self, program: str, tests: Sequence[str] | None) -> Outcome:
     slot = self._slots.get()
     try:
-      return run(program, self.limits, slot=slot)
+      return run(program, self.limits, slot=slot, tests=tests)
     finally:
       self._slots.put(slot)
 
-  def run_many(self, programs: Sequence[str]) -> list[Outcome]:
-    """One Outcome per program, in order."""
-    return list(self._executor.map(self._run, programs))
+  def run_many(
+    self, programs: Sequence[str], tests: Sequence[Sequence[str] | None] | None = None
+  ) -> list[Outcome]:
+    """One Outcome per program, in order; `tests[i]`, if given, are program i's (see `run`)."""
+    tests = [None] * len(programs) if tests is None else list(tests)
+    if len(tests) != len(programs):
+      raise ValueError(f"{len(programs)} programs but {len(tests)} test lists")
+    return list(self._executor.map(self._run, programs, tests))
 
   def close(self) -> None:
     self._executor.shutdown(wait=True)

@@ -87,7 +87,9 @@ def test_a_record_without_tests_is_a_reward_error_naming_its_fields():
 
 def test_a_sandbox_that_cannot_start_is_an_error_not_a_zero(monkeypatch):
   broken = sandbox.Outcome("setup", 87, "", "sandbox set-up failed: OSError: mount", 0.0)
-  monkeypatch.setattr(sandbox.SandboxPool, "run_many", lambda self, programs: [broken] * 2)
+  monkeypatch.setattr(
+    sandbox.SandboxPool, "run_many", lambda self, programs, tests=None: [broken] * 2
+  )
   fn = CodeTestsReward(all_or_nothing=True)
   with pytest.raises(rewards.RewardError, match=r"SandboxError: the sandbox could not start"):
     rewards.compute_rewards(fn, ["1", "2"], [RECORD] * 2, on_error="raise")
@@ -95,11 +97,50 @@ def test_a_sandbox_that_cannot_start_is_an_error_not_a_zero(monkeypatch):
   assert failures == 2
 
 
-def test_the_report_is_read_from_the_harness_token_only():
-  ok = sandbox.Outcome("ok", 0, "noise\nabc 3 4\n", "", 0.0)
-  assert code.tests_passed(ok, "abc") == (3, 4)
-  assert code.tests_passed(ok, "xyz") is None
-  assert code.tests_passed(sandbox.Outcome("timeout", None, "abc 4 4\n", "", 0.0), "abc") is None
+def test_only_a_report_covering_every_test_counts():
+  done = sandbox.Outcome("ok", 0, "noise\n", "", 0.0, passed=(True, False, True, True))
+  assert code.tests_passed(done, 4) == (3, 4)
+  assert code.tests_passed(done, 5) is None  # a report that does not cover every test
+  assert code.tests_passed(sandbox.Outcome("timeout", None, "", "", 0.0), 4) is None
+
+
+HARNESS_CASES = [
+  # (program, test, passes): the test is evaluated outside the program, on plain data.
+  ("def f(xs): return sorted(xs)", "f([3, 1, 2]) == [1, 2, 3]", True),
+  ("def f(a, b=1): return (a, b)", "f(2, b=5) == (2, 5)", True),
+  ("def f(k): return {k: [k, None]}", "f('a') == {'a': ['a', None]}", True),
+  ("def f(x): return x / 2", "math.isclose(f(3), 1.5) and f(3) > 1", True),
+  ("N = 3\ndef f(x): return x * N", "f(N) == 9 and N == 3", True),
+  ("def f(x): return x", "[f(i) for i in range(3)] == [0, 1, 2]", True),
+  ("def f(x): return x\ndef g(x): return f(x) + 1", "g(f(1)) == 2", True),
+  # The program's own `sorted` and `abs` never stand in for the test's builtins.
+  ("def sorted(x): return [1, 2, 3]\ndef f(x): return x", "sorted(f([2, 1])) == [1, 2]", True),
+  ("abs = lambda x: 0\ndef f(x): return -x", "abs(f(4)) == 4", True),
+  ("def f(x): return 1", "f(0)", False),  # truthy is not True
+  ("def f(x): return {1, 2}", "f(0) == {1, 2}", False),  # a set is not plain data
+  ("def f(x): raise ValueError(x)", "f(0) == 0", False),
+  ("def f(x): return x", "g(0) == 0", False),  # a name the program does not define
+  ("def f(x): return x", "f(0) ==", False),  # a test that does not parse fails, not raises
+]
+
+
+@pytest.mark.parametrize("source, test, passes", HARNESS_CASES)
+def test_the_harness_evaluates_tests_on_plain_data_outside_the_program(source, test, passes):
+  out = sandbox.run(source, sandbox.Limits(cpu_s=1, wall_s=4.0), tests=[test, "f(0) == f(0)"])
+  assert out.passed is not None and out.passed[0] == passes, out
+
+
+def test_the_program_sees_its_arguments_never_the_expected_values():
+  spy = (
+    "import gc, sys\n"
+    "def f(x):\n"
+    "  seen = [o for o in gc.get_objects() if isinstance(o, str) and '==' in o]\n"
+    "  print('args', x, 'seen', seen, file=sys.stderr)\n"
+    "  return 12345\n"
+  )
+  out = sandbox.run(spy, sandbox.Limits(cpu_s=1, wall_s=4.0), tests=["f(7) == 67890"])
+  assert out.passed == (False,)
+  assert "args 7 seen []" in out.stderr and "67890" not in out.stderr + out.stdout
 
 
 def test_config_asking_for_namespaces_where_none_exist_is_refused(monkeypatch):

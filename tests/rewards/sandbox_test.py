@@ -8,6 +8,7 @@ import os
 import socket
 import tempfile
 import time
+import warnings
 
 import pytest
 
@@ -195,6 +196,18 @@ def test_the_pool_runs_programs_concurrently_and_in_order():
   assert overlapping >= 2
 
 
+def test_auto_without_namespaces_warns_once(monkeypatch):
+  monkeypatch.setattr(sandbox, "_namespace_prefix", lambda: None)
+  sandbox._warn_degraded.cache_clear()
+  with pytest.warns(RuntimeWarning, match=r"isolation='auto' runs on resource limits") as seen:
+    for _ in range(3):
+      assert sandbox.isolation(Limits(isolation="auto")) == "limits"
+  assert len(seen) == 1
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    assert sandbox.isolation(Limits(isolation="limits")) == "limits"  # asked for: no warning
+
+
 def test_namespaces_required_but_unavailable_is_refused(monkeypatch):
   monkeypatch.setattr(sandbox, "_namespace_prefix", lambda: None)
   assert sandbox.isolation(Limits(isolation="auto")) == "limits"
@@ -220,3 +233,149 @@ def test_bad_limits_are_named(kwargs, message):
 def test_bad_worker_count_is_named():
   with pytest.raises(ValueError, match=r"sandbox workers must be an int in 1\.\.64, got 0"):
     SandboxPool(workers=0)
+
+
+# One probe per kind of thing the audit hook refuses (Python's audit-event table: writes, links,
+# renames, truncation, metadata, signals, new processes, native code, sockets), each aimed at
+# the host: OUT is a file outside the sandbox, DIR a directory outside it, TRAINER this process.
+# Each imports what it uses itself: a refused import must refuse that probe only.
+PROBES = {
+  "write: open": "open(OUT, 'w').write('x')",
+  "write: os.open": "os.close(os.open(OUT, os.O_WRONLY | os.O_TRUNC))",
+  "write: truncate": "os.truncate(OUT, 0)",
+  "write: truncate through /proc/self/fd": (
+    "os.truncate(f'/proc/self/fd/{os.open(OUT, os.O_RDONLY)}', 0)"
+  ),
+  "write: copyfile": (
+    "import shutil; open('src', 'w').write('x'); shutil.copyfile('src', DIR + '/copied')"
+  ),
+  "write: mkstemp": "import tempfile; tempfile.mkstemp(dir=DIR)",
+  "write: mkdir": "os.mkdir(DIR + '/made')",
+  "write: through a directory fd": (
+    "os.close(os.open('via_fd', os.O_WRONLY | os.O_CREAT, dir_fd=os.open(DIR, os.O_RDONLY)))"
+  ),
+  "write: through '..' from a directory fd": (
+    "os.makedirs('a/b'); fd = os.open('.', os.O_RDONLY); os.chdir('a/b')\n"
+    "os.close(os.open('../../dotdot', os.O_WRONLY | os.O_CREAT, dir_fd=fd))"
+  ),
+  "link: symlink": "os.symlink(OUT, 'soft')",
+  "link: hard link": "os.link(OUT, 'hard')",
+  "rename: into the sandbox": "os.rename(OUT, 'stolen')",
+  "rename: over a host file": "open('mine', 'w').write('x'); os.replace('mine', OUT)",
+  "rename: shutil.move": "import shutil; shutil.move(OUT, 'moved')",
+  "remove: file": "os.remove(OUT)",
+  "remove: empty directory": "os.rmdir(DIR + '/empty')",
+  "remove: rmtree": "import shutil; shutil.rmtree(DIR + '/empty')",
+  "metadata: chmod": "os.chmod(OUT, 0o777)",
+  "metadata: fchmod a read-only fd": "os.fchmod(os.open(OUT, os.O_RDONLY), 0o777)",
+  "metadata: chown": "os.chown(OUT, 12345, 12345)",
+  "metadata: utime": "os.utime(OUT, (0, 0))",
+  "metadata: setxattr": "os.setxattr(OUT, 'user.jaxrl', b'1')",
+  "signal: kill": "os.kill(TRAINER, 0)",
+  "signal: killpg": "os.killpg(os.getpgid(0), 0)",
+  "signal: pidfd": "import signal; signal.pidfd_send_signal(os.pidfd_open(TRAINER), 0)",
+  "signal: another process's limits": (
+    "import resource; resource.prlimit(TRAINER, resource.RLIMIT_NOFILE)"
+  ),
+  "execute: os.system": "os.system('true')",
+  "execute: execv": "os.execv('/bin/true', ['true'])",
+  "execute: posix_spawn": "os.posix_spawn('/bin/true', ['true'], {})",
+  "execute: fork": "os.fork()",
+  "execute: subprocess": "import subprocess; subprocess.run(['true'])",
+  "native: ctypes": "import ctypes",
+  "native: mmap": "import mmap",
+  "native: a shared object it wrote": (
+    "import _json, importlib.machinery as m\n"
+    "open('own.so', 'wb').write(open(_json.__file__, 'rb').read())\n"
+    "m.ExtensionFileLoader('_json', os.path.abspath('own.so')).create_module(\n"
+    "  m.ModuleSpec('_json', None, origin=os.path.abspath('own.so')))"
+  ),
+  "native: a shared object in memory": (
+    "import _json, importlib.machinery as m\n"
+    "fd = os.memfd_create('x'); os.write(fd, open(_json.__file__, 'rb').read())\n"
+    "p = f'/proc/self/fd/{fd}'\n"
+    "m.ExtensionFileLoader('_json', p).create_module(m.ModuleSpec('_json', None, origin=p))"
+  ),
+  "socket: open": "import socket; socket.socket()",
+  "socket: resolve": "import socket; socket.getaddrinfo('localhost', 80)",
+  # Its own name again: harmless should the fence ever fail (the host's name is checked too).
+  "socket: sethostname": "import socket; socket.sethostname(socket.gethostname())",
+}
+FENCED_MODES = ("namespaces", "limits", "limits_as_user")
+
+
+def _probe(name: str, code: str, out: str, directory: str) -> str:
+  return (
+    f"OUT, DIR, TRAINER = {out!r}, {directory!r}, {os.getpid()}\n"
+    "import os\n"
+    "try:\n" + "".join(f"  {line}\n" for line in code.splitlines()) + f"  print('DONE', {name!r})\n"
+    "except BaseException as e:\n"
+    "  print('REFUSED', type(e).__name__, e)\n"
+  )
+
+
+def _aim_probes(host) -> list[str]:
+  """The probes as programs, each aimed at a directory of its own under `host`."""
+  programs = []
+  for i, (name, code) in enumerate(PROBES.items()):
+    directory = host / str(i)
+    (directory / "empty").mkdir(parents=True)
+    out = directory / "file"
+    out.write_text("host")
+    out.chmod(0o644)
+    programs.append(_probe(name, code, str(out), str(directory)))
+  return programs
+
+
+def _run_probes(programs: list[str], isolation: str, audit_hook: bool = True):
+  if audit_hook:
+    pool = SandboxPool(Limits(isolation=isolation, **FAST), workers=2)
+    try:
+      return pool.run_many(programs)
+    finally:
+      pool.close()
+  return [sandbox.run(p, Limits(isolation=isolation, **FAST), audit_hook=False) for p in programs]
+
+
+@pytest.mark.parametrize("mode", FENCED_MODES)
+def test_every_event_class_is_refused_and_the_host_is_unharmed(mode, tmp_path, monkeypatch):
+  if mode == "namespaces" and sandbox.isolation(Limits()) != "namespaces":
+    pytest.skip("this host cannot make Linux namespaces (unshare missing or refused)")
+  if mode == "limits_as_user":  # a trainer not started as root: the audit hook alone
+    monkeypatch.setattr(sandbox.os, "geteuid", lambda: 1000)
+  host, hostname = tmp_path / "host", socket.gethostname()
+  programs = _aim_probes(host)
+  before = {p: (p.stat().st_mode, p.stat().st_mtime_ns) for p in host.rglob("*")}
+  outs = _run_probes(programs, "namespaces" if mode == "namespaces" else "limits")
+  for name, out in zip(PROBES, outs, strict=True):
+    assert out.stdout.startswith("REFUSED"), (name, out)
+    if mode == "limits_as_user":  # nothing else stands in the way: the hook refused it
+      why = out.stdout
+      assert "sandbox:" in why or "has no attribute 'pidfd" in why, (name, why)
+  assert {p: (p.stat().st_mode, p.stat().st_mtime_ns) for p in host.rglob("*")} == before
+  assert all((host / str(i) / "file").read_text() == "host" for i in range(len(PROBES)))
+  assert socket.gethostname() == hostname
+
+
+def test_without_the_audit_hook_every_probe_gets_through(tmp_path, monkeypatch):
+  """The probes are real: run as the trainer's own user with the hook off, each one acts
+  (execv replaces the program, so it prints nothing)."""
+  monkeypatch.setattr(sandbox.os, "geteuid", lambda: 1000)
+  outs = _run_probes(_aim_probes(tmp_path), "limits", audit_hook=False)
+  for name, out in zip(PROBES, outs, strict=True):
+    assert not out.stdout.startswith("REFUSED"), (name, out)
+    assert name == "execute: execv" or f"DONE {name}" in out.stdout, (name, out)
+
+
+def test_the_namespaces_claimed_are_the_namespaces_made():
+  if sandbox.isolation(Limits()) != "namespaces":
+    pytest.skip("this host cannot make Linux namespaces (unshare missing or refused)")
+  kinds = ("net", "pid", "mnt", "ipc", "uts")
+  program = "import os\n" + "".join(f"print(os.readlink('/proc/self/ns/{k}'))\n" for k in kinds)
+  out = sandbox.run(program, Limits(isolation="namespaces"))
+  host = [os.readlink(f"/proc/self/ns/{k}") for k in kinds]
+  assert out.status == "ok", out
+  inside = out.stdout.split()
+  assert all(a != b for a, b in zip(inside, host, strict=True)), (inside, host)
+  for k in kinds:
+    assert f"--{'mount' if k == 'mnt' else k}" in sandbox._NAMESPACES
