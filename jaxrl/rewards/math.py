@@ -9,10 +9,16 @@ from typing import Any
 from jaxrl.registry import REWARDS
 from jaxrl.rewards import registry
 
-_NUMBER_RE = re.compile(r"[-+]?\$?(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?|[-+]?\$?\.\d+")
+# ASCII digits only: a look-alike (Arabic-Indic, fullwidth, mathematical bold) is not the digit.
+_NUMBER_RE = re.compile(
+  r"[-+]?\$?(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?|[-+]?\$?\.\d+", re.ASCII
+)
+# A number longer than this is compared as text: turning a megabyte of digits into a fraction
+# takes minutes, and printing one past 4300 digits raises.
+_MAX_NUMBER_CHARS = 400
 _HASHES_RE = re.compile(r"####[ \t]*([^\n]*)")
 _ANSWER_IS_RE = re.compile(r"answer\s+is\s*:?\s*([^\n]*)", re.IGNORECASE)
-_FRAC_RE = re.compile(r"^(-?)\\[dt]?frac\{([^{}]+)\}\{([^{}]+)\}$")
+_FRAC_RE = re.compile(r"^(-?)\\[dt]?frac\{([^{}]+)\}\{([^{}]+)\}$", re.ASCII)
 _TEXT_RE = re.compile(r"\\(?:text|textbf|mathrm|mbox)\{[^{}]*\}")
 
 
@@ -75,12 +81,14 @@ def normalize_answer(answer: str) -> str:
 
 def _to_fraction(text: str) -> fractions.Fraction | None:
   text = text.strip()
-  if re.fullmatch(r"[-+]?\d{1,3}(?:,\d{3})+(?:\.\d+)?", text):
+  if len(text) > _MAX_NUMBER_CHARS:
+    return None
+  if re.fullmatch(r"[-+]?\d{1,3}(?:,\d{3})+(?:\.\d+)?", text, re.ASCII):
     text = text.replace(",", "")
-  if re.fullmatch(r"[-+]?\d+/\d+", text):
+  if re.fullmatch(r"[-+]?\d+/\d+", text, re.ASCII):
     num, den = text.split("/")
     return fractions.Fraction(int(num), int(den)) if int(den) else None
-  if not re.fullmatch(r"[-+]?(?:\d+(?:\.\d*)?|\.\d+)", text):
+  if not re.fullmatch(r"[-+]?(?:\d+(?:\.\d*)?|\.\d+)", text, re.ASCII):
     return None
   try:
     return fractions.Fraction(Decimal(text))

@@ -119,3 +119,44 @@ def test_math_verify_reward_off_the_main_thread():
 def test_math_verify_unparseable_reference_raises():
   with pytest.raises(ValueError, match=r"math-verify cannot parse the record's answer ''"):
     rewards.get("math_verify")("#### 3", {"answer": ""})
+
+
+ADVERSARIAL = {
+  # (completion, its score against the answer "42"): each finishes and scores what is written.
+  "a megabyte of digits": ("9" * 1_000_000, 0.0),
+  "a long decimal": ("0." + "3" * 1_000_000, 0.0),
+  "5000 digits ending the answer": ("#### " + "4" * 5000 + "2", 0.0),
+  "a fraction of huge numbers": ("\\boxed{\\frac{" + "9" * 10**5 + "}{" + "7" * 10**5 + "}}", 0.0),
+  "a gigantic exponent": ("#### 1e999999999", 0.0),
+  "a tower of powers": ("\\boxed{2^{10^{10^{10}}}}", 0.0),
+  "a power in Python": ("the answer is 10**10**10", 0.0),
+  "deeply nested boxes": ("\\boxed{" * 10**5 + "42" + "}" * 10**5, 1.0),  # the innermost
+  "deeply nested fractions": ("\\frac{" * 50_000 + "42}{1}" * 50_000, 0.0),
+  "a megabyte of braces": ("{" * 10**6, 0.0),
+  "a megabyte of markers": ("####" * 250_000, 0.0),
+  "'the answer is' a hundred thousand times": ("the answer is " * 100_000, 0.0),
+  "Arabic-Indic digits": ("#### ٤٢", 0.0),
+  "fullwidth digits": ("#### ４２", 0.0),
+  "mathematical bold digits": ("\\boxed{𝟒𝟐}", 0.0),
+  "superscript digits": ("#### ⁴²", 0.0),
+  "the answer after a megabyte of text": ("a" * 10**6 + " #### 42", 1.0),
+}
+
+
+@pytest.mark.parametrize("name", ["gsm8k", "math_answer"])
+def test_adversarial_answers_finish_with_a_defined_score(name):
+  """Every answer is scored (never a reward error) and the whole catalogue finishes inside a
+  watchdog far above its cost (a megabyte of digits once took minutes and then raised)."""
+  fn = rewards.get(name)
+  done = threading.Event()
+  scores = {}
+
+  def score_all():
+    for key, (completion, _) in ADVERSARIAL.items():
+      scores[key] = fn(completion, {"answer": "42"})
+    done.set()
+
+  worker = threading.Thread(target=score_all, daemon=True)
+  worker.start()
+  assert done.wait(60.0), f"still scoring after 60 s; finished {sorted(scores)}"
+  assert scores == {key: want for key, (_, want) in ADVERSARIAL.items()}
