@@ -1,9 +1,11 @@
 """Rewards in worker processes: the same scores as in-process, and a reward that hangs, spins in
-C or kills its process costs its sample (per reward.on_error), never the run."""
+C or kills its process costs its sample (per reward.on_error), never the run nor the samples
+beside it."""
 
 import os
 import signal
 import time
+import types
 
 import numpy as np
 import pytest
@@ -16,15 +18,19 @@ RECORDS = [{"prompt": f"{i}+1=", "answer": str(i + 1)} for i in range(6)]
 
 def by_completion(completion, record):
   """Module-level (importable by name): what the workers can run."""
+  if "log" in record:  # one line per call: what ran, and how often
+    with open(record["log"], "a") as f:
+      f.write(completion + "\n")
   if completion == "spin":
     while True:  # pure Python: the worker's own timer interrupts it
       pass
   if completion == "stuck":
     signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGALRM])  # as C code that never yields
-    while True:
-      pass
+    time.sleep(3600)
   if completion == "die":
     os._exit(3)
+  if completion == "killed":
+    os.kill(os.getpid(), signal.SIGKILL)
   if completion == "boom":
     raise RuntimeError("verifier crashed")
   return float(completion == record["answer"])
@@ -58,9 +64,9 @@ def test_a_spinning_reward_times_out_and_costs_only_its_sample():
       pool=pool,
       kinds=kinds,
     )
-    assert time.monotonic() - t0 < 20  # the timer, not the hard deadline, ended it
+    assert time.monotonic() - t0 < 20
     np.testing.assert_array_equal(values, [1, 0, 1, 0])
-    assert failures == 2 and pool.restarts == 0
+    assert failures == 2 and pool.restarts == 0  # the timer ended it: no worker was killed
     assert kinds == {"timeout": 1, "exception": 1}  # counted apart
     pattern = r"sample 1 .*TimeoutError: the reward took longer than reward.timeout_s=0.5s"
     with pytest.raises(rewards.RewardError, match=pattern):
@@ -71,22 +77,43 @@ def test_a_spinning_reward_times_out_and_costs_only_its_sample():
     pool.close()
 
 
-def test_a_reward_stuck_past_the_timer_or_killing_its_worker_is_contained():
-  pool = RewardPool(by_completion, workers=2, timeout_s=0.5, grace_s=2.0)
+@pytest.mark.parametrize(
+  "workers, crash, how", [(1, "die", "exit code 3"), (2, "killed", "killed by SIGKILL")]
+)
+def test_a_stuck_or_crashing_sample_costs_only_itself(tmp_path, workers, crash, how):
+  # One worker: every later sample waits behind the stuck one and the crash. Two: the stuck one
+  # holds a worker while the crash takes the other, and the last samples wait for a replacement.
+  # Each ordinary sample still gets its own score, and no sample runs twice.
+  log = tmp_path / "calls"
+  completions = ["1", "stuck", "3", crash, "5", "6"]
+  records = [{**r, "log": str(log)} for r in RECORDS]
+  pool = RewardPool(by_completion, workers=workers, timeout_s=0.5, grace_s=1.0)
   try:
-    values, failures = rewards.compute_rewards(
-      by_completion, ["1", "stuck", "3"], RECORDS[:3], on_error="zero", pool=pool
+    scored = pool.score(completions, records)
+    assert pool.restarts == 2  # the stuck worker killed, the crashed one replaced
+    assert sorted(log.read_text().split()) == sorted(completions)
+    for i in (0, 2, 4, 5):
+      assert scored[i] == ("ok", 1.0)
+    assert scored[1] == (
+      "error",
+      "TimeoutError: the reward ran past reward.timeout_s=0.5s without returning to the "
+      "interpreter; its worker was killed at 1.5s",
     )
-    assert failures >= 1 and values[1] == 0 and pool.restarts == 1  # killed at the deadline
+    assert scored[3] == ("error", f"the reward worker process died scoring this sample ({how})")
+    kinds = {}
     values, failures = rewards.compute_rewards(
-      by_completion, ["die", "2"], RECORDS[:2], on_error="zero", pool=pool
+      by_completion,
+      completions,
+      records,
+      on_error="zero",
+      pool=types.SimpleNamespace(score=lambda c, r: scored),  # the results above
+      kinds=kinds,
     )
-    assert failures >= 1 and values[0] == 0 and pool.restarts == 2
-    # A fresh pool serves the next batch.
-    values, failures = rewards.compute_rewards(
-      by_completion, ["1", "2", "3"], RECORDS[:3], on_error="raise", pool=pool
-    )
-    np.testing.assert_array_equal(values, [1, 1, 1])
+    np.testing.assert_array_equal(values, [1, 0, 1, 0, 1, 1])
+    assert failures == 2 and kinds == {"timeout": 1, "exception": 1}
+    # The replacements serve the next batch.
+    assert pool.score(["1", "2"], RECORDS[:2]) == [("ok", 1.0), ("ok", 1.0)]
+    assert pool.restarts == 2
   finally:
     pool.close()
 
