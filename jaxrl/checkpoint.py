@@ -12,6 +12,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
+from jaxrl import distributed
 from jaxrl.guard import NonFiniteError, all_finite
 from jaxrl.mesh import path_str
 
@@ -140,7 +141,10 @@ class Checkpointer:
       raise FileNotFoundError(
         f"no checkpoint for step {step} in {self.directory}; available steps: {steps or 'none'}"
       )
-    step = int(step)
+    return self._restore(int(step), abstract_state, self._read_together)
+
+  def _restore(self, step: int, abstract_state: Any, read) -> tuple[Any, dict]:
+    """`restore` of a committed `step`, its data read by `read(step, target) -> (state, meta)`."""
     step_dir = self.directory / str(step)
     local = jax.tree.map(_host_local, abstract_state)
     target = jax.tree.map(
@@ -158,20 +162,34 @@ class Checkpointer:
         f"checkpoint {step_dir} does not match the restore target:\n" + "\n".join(problems)
       )
     try:
-      restored = self._manager.restore(
-        step,
-        args=ocp.args.Composite(
-          state=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore()
-        ),
-      )
+      restored, meta = read(step, target)
     except Exception as e:
       # Whatever the structural check above could not see: missing or corrupt array data.
       raise UnreadableCheckpointError(f"cannot restore checkpoint {step_dir}: {e}") from e
     state = jax.tree.map(
       lambda x, want, h: jax.device_put(x, want.sharding) if h else x,
-      restored.state, abstract_state, local,
+      restored, abstract_state, local,
     )  # fmt: skip
-    return state, restored.meta
+    return state, meta
+
+  def _read_together(self, step: int, target: Any) -> tuple[Any, dict]:
+    """orbax's restore: every process reads its shards, then waits for the others at a barrier."""
+    restored = self._manager.restore(
+      step,
+      args=ocp.args.Composite(state=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore()),
+    )
+    return restored.state, restored.meta
+
+  def _read_alone(self, step: int, target: Any) -> tuple[Any, dict]:
+    """This process's shards of `step` and its side-car, read with orbax's handlers and no
+    barrier: a process whose read fails does not leave the others waiting at orbax's."""
+    step_dir = self.directory / str(step)
+    handler = ocp.StandardCheckpointHandler()
+    try:
+      state = handler.restore(step_dir / "state", args=ocp.args.StandardRestore(target))
+    finally:
+      handler.close()
+    return state, ocp.JsonCheckpointHandler().restore(step_dir / "meta")
 
   def restore_newest_readable(self, abstract_state: Any, log=print) -> tuple[int, Any, dict] | None:
     """(step, state, meta) of the newest checkpoint that can be read; None if there is none.
@@ -182,33 +200,80 @@ class Checkpointer:
     before it is tried. If no step can be read nothing is moved and the newest step's error is
     raised. A readable checkpoint of another layout raises `CheckpointError` at once: an older
     step would not match either.
+
+    In a multi-process run every process calls this together and all of them get the same
+    step. Each reads its own shards of a step (a read may fail on one process only: a lost
+    file holds one process's shards); the processes then exchange how their reads went, and
+    a step is unreadable if it is for any of them. Process 0 alone moves the unreadable steps,
+    while the others wait for it.
     """
-    steps = self.all_steps()
-    errors = []
+    self._check_open()
+    steps = self._agreed_steps()
+    errors = []  # (step, the first process whose read failed, its message, this process's error)
     for step in reversed(steps):
       try:
-        state, meta = self.restore(step, abstract_state)
+        found, mine = self._restore(step, abstract_state, self._read_alone), None
       except UnreadableCheckpointError as e:
-        errors.append((step, e))
+        found, mine = None, e
+      except Exception as e:  # another layout, or a bug: every process stops, naming it
+        _agree_on_outcome(step, e, self.directory)
+        raise
+      failed = _agree_on_outcome(step, mine, self.directory)
+      if failed:
+        errors.append((step, *failed, mine))
         continue
       if errors:
-        aside = self.directory.with_name(self.directory.name + ".unreadable")
+        self._move_aside(errors, log)
+        log(f"[jaxrl] falling back to checkpoint {step} in {self.directory}")
+      return step, *found
+    if errors:
+      newest, process, message, mine = errors[0]
+      raise UnreadableCheckpointError(
+        f"no checkpoint in {self.directory} can be read (steps {steps}); the newest, {newest}: "
+        f"{_on(process)}{message}. Delete the directory to start the phase again, or use another "
+        "workdir."
+      ) from mine
+    return None
+
+  def _agreed_steps(self) -> list[int]:
+    """The committed steps, which every process must see alike (one shared directory)."""
+    steps = self.all_steps()
+    every = distributed.allgather_objects(steps)
+    for i, theirs in enumerate(every):
+      if theirs != every[0]:
+        raise CheckpointError(
+          f"the processes see different checkpoints in {self.directory} (process 0: steps "
+          f"{every[0]}, process {i}: {theirs}); every process must see the same directory, "
+          "on a filesystem they share"
+        )
+    return steps
+
+  def _move_aside(self, errors: list, log) -> None:
+    """Process 0 moves the unreadable steps to `<directory>.unreadable/`; every process then
+    sees the steps that are left."""
+    aside = self.directory.with_name(self.directory.name + ".unreadable")
+    problem = None
+    if jax.process_index() == 0:
+      try:
         aside.mkdir(exist_ok=True)
-        for bad, e in errors:
+        for bad, process, message, _ in errors:
           dest = aside / str(bad)
           shutil.rmtree(dest, ignore_errors=True)  # an earlier run's copy of the same step
           os.replace(self.directory / str(bad), dest)
-          log(f"[jaxrl] checkpoint {bad} cannot be read ({_first_line(e)}); moved to {dest}")
-        self._manager.reload()
-        log(f"[jaxrl] falling back to checkpoint {step} in {self.directory}")
-      return step, state, meta
-    if errors:
-      newest, e = errors[0]
-      raise UnreadableCheckpointError(
-        f"no checkpoint in {self.directory} can be read (steps {steps}); the newest, {newest}: "
-        f"{e}. Delete the directory to start the phase again, or use another workdir."
-      ) from e
-    return None
+          log(
+            f"[jaxrl] checkpoint {bad} cannot be read ({_on(process)}{_first_line(message)}); "
+            f"moved to {dest}"
+          )
+      except OSError as e:
+        problem = e
+    # Also the others' barrier: none reads the directory again before process 0 is done.
+    failed = distributed.allgather_objects(None if problem is None else str(problem))[0]
+    if failed is not None:
+      raise CheckpointError(
+        f"cannot move the unreadable checkpoints {[e[0] for e in errors]} of {self.directory} "
+        f"aside to {aside}: {failed}"
+      ) from problem
+    self._manager.reload()
 
   def restore_subtree(self, step: int, abstract_subtree: Any) -> Any:
     """Restores only the leaves of `abstract_subtree` (a pytree of dicts naming a part of the
@@ -268,9 +333,36 @@ class Checkpointer:
       raise RuntimeError(f"Checkpointer for {self.directory} is closed")
 
 
-def _first_line(e: Exception) -> str:
-  text = str(e).strip().splitlines()
-  return text[0] if text else type(e).__name__
+def _first_line(message: str) -> str:
+  text = message.strip().splitlines()
+  return text[0] if text else "(no message)"
+
+
+def _on(process: int | None) -> str:
+  """How a message names the process it came from: not at all in a one-process run."""
+  return "" if process is None else f"process {process}: "
+
+
+def _agree_on_outcome(step: int, error: Exception | None, directory) -> tuple | None:
+  """Every process's outcome of reading `step`, exchanged: None if every read succeeded, else
+  (the first process whose read failed, its message); the process is None in a one-process run.
+  An error other than an unreadable step on another process raises a `CheckpointError` here
+  (a process that had one raises its own)."""
+  unreadable = isinstance(error, UnreadableCheckpointError)
+  kind = "ok" if error is None else "unreadable" if unreadable else "error"
+  mine = (kind, "" if error is None else str(error))
+  if jax.process_count() == 1:
+    return None if error is None else (None, mine[1])
+  every = distributed.allgather_objects(mine)
+  for i, (theirs, message) in enumerate(every):
+    if theirs == "error" and kind != "error":
+      raise CheckpointError(
+        f"process {i} cannot restore checkpoint {step} in {directory}: {message}"
+      )
+  for i, (theirs, message) in enumerate(every):
+    if theirs == "unreadable":
+      return i, message
+  return None
 
 
 def _host_local(x: Any) -> bool:

@@ -7,7 +7,11 @@ weights, and the params are those one process loads. Then both run the default j
 made half of the training records and scored half of the completions. The same job with the
 split placement: each process gives one device to the learner's sub-mesh (across both) and one
 to its own engine, which samples its half of every batch's prompts, and the two processes log
-what one process with two devices a side logs, stopped and resumed included."""
+what one process with two devices a side logs, stopped and resumed included. Stopped by SIGTERM
+at one process, or at each a step apart, both processes stop after the same step, checkpoint it
+once and exit 143 (launch.train), and the run resumes from there. Over one checkpoint directory
+whose newest steps cannot be read (one of them by one process only), both fall back to the same
+step, and process 0 alone moves the unreadable ones aside."""
 
 import json
 import socket
@@ -181,6 +185,29 @@ def test_two_processes_take_the_steps_of_one(runs):
 
 
 @core
+def test_every_process_falls_back_to_the_same_readable_checkpoint(runs):
+  _, two = runs
+  directory = Path(two[0]["out"]) / "ckpt"
+  for p in two:
+    f = p["fallback"]
+    assert f["error"] is None
+    assert (f["step"], f["meta"]) == (2, {"step": 2})
+    assert f["hash"] == f["saved"]["2"] != f["saved"]["3"]  # step 2's params, gathered whole
+    assert (f["steps"], f["aside"]) == (["1", "2"], ["3", "4"])
+    assert f["logged"][-1] == f"[jaxrl] falling back to checkpoint 2 in {directory}"
+  # Step 3 lost only process 1's shards: process 0 read its own, and still let it go.
+  assert "ocdbt.process_0" in two[0]["fallback"]["aside_step_3"]
+  assert "ocdbt.process_1" not in two[0]["fallback"]["aside_step_3"]
+  # Process 0 moved each unreadable step once; process 1 waited, and moved nothing.
+  moved = two[0]["fallback"]["logged"][:-1]
+  assert [line.split()[2] for line in moved] == ["4", "3"]
+  assert all(line.endswith(f"moved to {directory}.unreadable/{line.split()[2]}") for line in moved)
+  assert "(process 0: cannot read checkpoint metadata in" in moved[0]
+  assert "(process 1: cannot restore checkpoint" in moved[1]
+  assert len(two[1]["fallback"]["logged"]) == 1
+
+
+@core
 def test_each_process_reads_only_its_share_of_the_hf_weights(runs):
   (one,), two = runs
   # One process holds every block of every param (4 devices) and reads each distinct one once.
@@ -268,8 +295,9 @@ def _metrics(path: Path) -> list[dict]:
 
 
 def _assert_resumed_repeats(base: Path, full: str, resumed: str) -> None:
-  """Workdir `resumed` (stopped after an RL step, resumed) logged what `full` logged: every row
-  once (the stopped try's rows kept, none repeated), every value but the timings equal."""
+  """Workdir `resumed` (stopped by SIGTERM after an RL step, resumed) logged what `full`
+  logged: every row once (the stopped try's rows kept, none repeated), every value but the
+  timings equal."""
   a_rows, b_rows = (
     _metrics(base / full / "metrics.jsonl"),
     _metrics(base / resumed / "metrics.jsonl"),
@@ -289,6 +317,30 @@ def test_a_resumed_two_process_run_repeats_the_uninterrupted_one(trainer_runs):
   summary = {n: json.loads((base / n / "summary.json").read_text()) for n in ("run", "run_resumed")}
   for key in ("accuracy_after_sft", "accuracy_after_rl", "sampled_accuracy_after_rl"):
     assert summary["run_resumed"][key] == summary["run"][key], key
+
+
+def _assert_stopped_after_rl_step_1(two: list[dict], signalled: list[list[int]]) -> None:
+  """Both processes of a try stopped by SIGTERM (launch.train, `signalled[i]`: the RL steps,
+  0-based, at whose start process i sent itself the signal) stopped after RL step 1: each
+  printed so and exited 143, step 1 was checkpointed and nothing after it, and the resumed
+  run went on from there."""
+  rl = Path(two[0]["out"]) / "run_resumed" / "checkpoints" / "rl"
+  for p, sent in zip(two, signalled, strict=True):
+    stopped = p["preempted"]["stopped"]
+    assert stopped["sent"] == sent
+    assert stopped["exit"] == 143
+    assert stopped["said"] == [
+      f"[jaxrl] stopped on SIGTERM after RL step 1, checkpointed in {rl}; run the same command "
+      "(config.resume=True) to continue from there"
+    ]
+    assert stopped["rl_checkpoints"] == [1]
+    assert f"[jaxrl] resumed RL from step 1 in {rl}" in p["preempted"]["logged"]
+
+
+@trainer
+def test_sigterm_at_one_process_stops_both_after_the_same_step(trainer_runs):
+  _, two = trainer_runs
+  _assert_stopped_after_rl_step_1(two, [[], [0]])  # process 1's signal only
 
 
 # Each process's engine makes its own prefill and decode calls for its half of the prompts: these
@@ -343,6 +395,14 @@ def test_a_split_placement_over_two_processes_takes_the_steps_of_one(split_runs)
 def test_a_resumed_split_placement_over_two_processes_repeats_the_uninterrupted_one(split_runs):
   (one,), _ = split_runs
   _assert_resumed_repeats(Path(one["out"]).parent / "two", "run", "run_resumed")
+
+
+@split
+def test_sigterm_at_each_process_a_step_apart_stops_both_after_the_first(split_runs):
+  _, two = split_runs
+  # Process 0's signal came during RL step 1, process 1's was due as step 2 started: acting on
+  # its own flag, process 1 would have gone on into step 2 while process 0 saved step 1.
+  _assert_stopped_after_rl_step_1(two, [[0], []])
 
 
 @trainer

@@ -8,16 +8,20 @@ checkpoint onto the same mesh, counting what this process reads of it. With --js
 DIR/good.jsonl as a JSONL task and read batches and held-out records from it, noting which bytes
 this process scanned and how many records it read, then index DIR/bad.jsonl (one bad line); then
 the same for DIR/good.parquet and DIR/bad.parquet, noting which row groups it read. Then gather
-shares of a list across the processes, one process failing on its share.
+shares of a list across the processes, one process failing on its share. With several
+processes, checkpoints of the params in OUT/ckpt, the newest two made unreadable (one for every
+process, one for process 1 only), and the newest readable one restored by every process.
 
 --job=trainer: run the default job's `:smoke` (4 SFT steps, 2 RL steps with an entropy bonus,
 so every step has a gradient) in --workdir, every process in the same one, counting the training
 records this process made and the completions it scored; with several processes, the same job
-again in WORKDIR_resumed, stopped after one RL step and resumed. Then three exchanges between
-the processes, one larger than a key-value entry, and the exchange keys left behind.
+again in WORKDIR_resumed, through launch.train with SIGTERM sent to process 1 alone during the
+first RL step, then resumed. Then three exchanges between the processes, one larger than a
+key-value entry, and the exchange keys left behind.
 
 --job=split: the same job with the split placement in --workdir (and, with several processes,
-WORKDIR_resumed, stopped and resumed).
+WORKDIR_resumed, through launch.train with SIGTERM sent to process 0 during the first RL step
+and to process 1 during the second, then resumed).
 
   python tests/multihost_worker.py --job=core|trainer|split --out=DIR
                                    [--coordinator=HOST:PORT --num-processes=N]
@@ -26,8 +30,13 @@ WORKDIR_resumed, stopped and resumed).
 """
 
 import argparse
+import contextlib
+import io
 import json
+import os
+import signal
 import sys
+import types
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -117,22 +126,23 @@ def main() -> None:
   }
   several = jax.process_count() > 1
   if args.job == "core":
-    seen |= _core(args.hf, args.jsonl)
+    seen |= _core(args.hf, args.jsonl, Path(args.out) / "ckpt" if several else None)
   elif args.job == "trainer":
     seen["work"] = _trainer(args.workdir)
-    if several:  # the same job, preempted after 1 RL step
-      _trainer(args.workdir + "_resumed", until=1)
+    if several:  # the same job, SIGTERM at process 1 only during RL step 1, then resumed
+      seen["preempted"] = _trainer(args.workdir + "_resumed", signals={1: 0})
     seen["exchange"] = _exchange()
   else:
     seen["split_run"] = _split(args.workdir)
-    if several:  # preempted after 1 RL step
-      _split(args.workdir + "_resumed", until=1)
+    if several:  # SIGTERM at process 0 during RL step 1 and at process 1 during step 2
+      seen["preempted"] = _split(args.workdir + "_resumed", signals={0: 0, 1: 1})
   out = Path(args.out) / f"p{jax.process_index()}.json"
   out.write_text(json.dumps(seen))
 
 
-def _core(hf_dir: str, files_dir: str) -> dict:
-  """The train steps on the 4-device mesh, the HF load, the JSONL and Parquet reads, the shares."""
+def _core(hf_dir: str, files_dir: str, ckpt_dir: Path | None) -> dict:
+  """The train steps on the 4-device mesh, the HF load, the JSONL and Parquet reads, the shares,
+  and with `ckpt_dir` the fallback from unreadable checkpoints of the params."""
   import jax
   import numpy as np
   import optax
@@ -174,6 +184,7 @@ def _core(hf_dir: str, files_dir: str) -> dict:
   split = sum(not x.is_fully_addressable for x in jax.tree.leaves(state.params))
   files = _jsonl(files_dir) if files_dir else None
   tables = _parquet(files_dir) if files_dir else None
+  fallback = _fallback(ckpt_dir, state.params) if ckpt_dir else None
   shares = distributed.gather_shares(lambda rows: [(jax.process_index(), i) for i in rows], 5)
   try:  # process 1 fails on its share: every process must raise, none wait forever
     distributed.gather_shares(lambda rows: [1 / (jax.process_index() != 1)], 5)
@@ -191,6 +202,7 @@ def _core(hf_dir: str, files_dir: str) -> dict:
     "parquet": tables,
     "shares": shares,
     "failure": failure,
+    "fallback": fallback,
   }
 
 
@@ -296,10 +308,108 @@ def _parquet(folder: str) -> dict:
   return {"scans": scans, **got}
 
 
-def _trainer(workdir: str, until: int | None = None) -> dict:
-  """Run the smoke job (`until`: stop RL after that many steps, as a preemption would, then
-  resume it in a new Trainer); how many training records this process made (SFT's and RL's
-  prompt batches) and how many completions it scored (RL's and evaluation's)."""
+def _fallback(directory: Path, params) -> dict:
+  """`params` (split over both processes' devices) saved as steps 1 to 4 (step s adds s to
+  every leaf). Then process 0 (the others waiting) loses step 4's array data and the data
+  process 1 wrote of step 3, and every process restores the newest readable step into a fresh
+  Checkpointer: which step, a hash of what it restored gathered whole against that of each step
+  saved, what it logged or raised, and what the directories hold after."""
+  import hashlib
+  import shutil
+
+  import jax
+
+  from jaxrl.checkpoint import Checkpointer
+  from jaxrl.rl.run import abstract
+
+  def digest(tree) -> str:
+    leaves = distributed.to_host(jax.tree.leaves(tree))
+    return hashlib.sha256(b"".join(a.tobytes() for a in leaves)).hexdigest()
+
+  hashes = {}
+  with Checkpointer(directory, max_to_keep=None) as ckpt:
+    for step in (1, 2, 3, 4):
+      tree = jax.tree.map(lambda x, s=step: x + s, params)
+      ckpt.save(step, tree, {"step": step})
+      hashes[step] = digest(tree)
+  distributed.allgather_objects("saved")  # a barrier: every process's writes are committed
+  if jax.process_index() == 0:
+    for part in (directory / "4" / "state").iterdir():  # every process's arrays
+      if part.is_dir():
+        shutil.rmtree(part)
+    shutil.rmtree(directory / "3" / "state" / "ocdbt.process_1")  # process 1's shards only
+  distributed.allgather_objects("lost")
+  logged, got = [], {"step": None, "error": None}
+  with Checkpointer(directory) as ckpt:
+    try:
+      step, state, meta = ckpt.restore_newest_readable(abstract(params), log=logged.append)
+      got |= {"step": step, "meta": meta, "hash": digest(state)}
+    except Exception as e:
+      got["error"] = f"{type(e).__name__}: {e}"
+  distributed.allgather_objects("restored")
+  aside = directory.with_name(directory.name + ".unreadable")
+  return {
+    **got,
+    "saved": {str(k): v for k, v in hashes.items()},
+    "logged": logged,
+    "steps": sorted(p.name for p in directory.iterdir() if p.name.isdigit()),
+    "aside": sorted(p.name for p in aside.iterdir()) if aside.is_dir() else None,
+    "aside_step_3": sorted(p.name for p in (aside / "3" / "state").glob("*")),
+  }
+
+
+def _stopped_by_sigterm(c, signals: dict[int, int]) -> dict:
+  """launch.train's `main` running config `c` (in place of its --config), SIGTERM sent to this
+  process as RL step signals[process] (0-based) starts, if it has one: its exit code, the steps
+  at which the signal was sent, what it printed of the stop, and the RL checkpoints after it."""
+  import jax
+
+  from jaxrl.rl.loop import Trainer
+  from launch import train as launch_train
+
+  at, sent = signals.get(jax.process_index()), []
+  rl_step, config = Trainer.rl_step, launch_train._CONFIG
+
+  def signalled_rl_step(self, step):
+    if step == at:
+      sent.append(step)
+      os.kill(os.getpid(), signal.SIGTERM)  # handled here, before the step's work
+    return rl_step(self, step)
+
+  Trainer.rl_step, launch_train._CONFIG = signalled_rl_step, types.SimpleNamespace(value=c)
+  err, code = io.StringIO(), 0
+  try:
+    with contextlib.redirect_stderr(err):
+      launch_train.main(["train"])
+  except SystemExit as e:
+    code = e.code
+  finally:
+    Trainer.rl_step, launch_train._CONFIG = rl_step, config
+    sys.stderr.write(err.getvalue())
+  rl = Path(c.workdir) / "checkpoints" / "rl"
+  return {
+    "exit": code,
+    "sent": sent,
+    "said": [line for line in err.getvalue().splitlines() if "stopped on SIGTERM" in line],
+    "rl_checkpoints": sorted(int(p.name) for p in rl.iterdir() if p.name.isdigit()),
+  }
+
+
+def _resume_log(logged: list):
+  """A Trainer's log that prints each line, as the default one does, and keeps it."""
+
+  def log(line):
+    logged.append(line)
+    print(line)
+
+  return log
+
+
+def _trainer(workdir: str, signals: dict[int, int] | None = None) -> dict:
+  """Run the smoke job: how many training records this process made (SFT's and RL's prompt
+  batches) and how many completions it scored (RL's and evaluation's). With `signals`, a first
+  try is stopped by SIGTERM (`_stopped_by_sigterm`) and a new Trainer resumes it: what the try
+  did, and what the resumed run logged."""
 
   from fixtures import smoke_configdict
 
@@ -323,16 +433,18 @@ def _trainer(workdir: str, until: int | None = None) -> dict:
   c = smoke_configdict(
     workdir, sft={"steps": 4}, rl={"steps": 2, "loss": {"entropy_coef": 0.01}}, **AS_SMOKE
   )
+  seen, logged = {}, []
   try:
-    for stop in [until, None] if until else [None]:
-      trainer = Trainer(validate(c))
-      try:
-        trainer.run(stop)
-      finally:
-        trainer.close()
+    if signals:
+      seen["stopped"] = _stopped_by_sigterm(c, signals)
+    trainer = Trainer(validate(c), log=_resume_log(logged))
+    try:
+      trainer.run()
+    finally:
+      trainer.close()
   finally:
     ArithmeticTask.sample, rewards.compute_rewards = sample, compute
-  return counts
+  return {**counts, **seen, "logged": logged} if signals else counts
 
 
 def _exchange() -> dict:
@@ -355,8 +467,8 @@ def _exchange() -> dict:
   return {"got": got, "left": sorted({k.split("/")[2] for k, _ in left})}
 
 
-def _split(workdir: str, until: int | None = None) -> dict:
-  """The smoke job with the split placement (max_staleness 1, 3 RL steps; `until` as in
+def _split(workdir: str, signals: dict[int, int] | None = None) -> dict:
+  """The smoke job with the split placement (max_staleness 1, 3 RL steps; `signals` as in
   `_trainer`): which processes' devices each sub-mesh holds, and how many of this process's
   devices each side has."""
   import jax
@@ -376,7 +488,7 @@ def _split(workdir: str, until: int | None = None) -> dict:
     **AS_SMOKE,
   )
   seen = {}
-  if jax.process_count() > 1 and until is None:  # groups in flight per engine: refused
+  if jax.process_count() > 1 and signals is None:  # groups in flight per engine: refused
     from jaxrl.config import ConfigError
     from jaxrl.rl.run import Run
 
@@ -386,19 +498,21 @@ def _split(workdir: str, until: int | None = None) -> dict:
       Run.build(validate(partial))
     except ConfigError as e:
       seen["partial_error"] = str(e)
-  for stop in [until, None] if until else [None]:
-    trainer = Trainer(validate(c))
-    try:
-      for side, mesh in (("learner", trainer.ctx.mesh), ("sampler", trainer.ctx.sampler_mesh)):
-        devices = list(mesh.devices.flat)
-        seen[side] = {
-          "processes": sorted({d.process_index for d in devices}),
-          "local": sum(d.process_index == jax.process_index() for d in devices),
-        }
-      seen["lockstep"] = trainer.pipeline.lockstep
-      trainer.run(stop)
-    finally:
-      trainer.close()
+  logged = []
+  if signals:
+    seen["stopped"], seen["logged"] = _stopped_by_sigterm(c, signals), logged
+  trainer = Trainer(validate(c), log=_resume_log(logged))
+  try:
+    for side, mesh in (("learner", trainer.ctx.mesh), ("sampler", trainer.ctx.sampler_mesh)):
+      devices = list(mesh.devices.flat)
+      seen[side] = {
+        "processes": sorted({d.process_index for d in devices}),
+        "local": sum(d.process_index == jax.process_index() for d in devices),
+      }
+    seen["lockstep"] = trainer.pipeline.lockstep
+    trainer.run()
+  finally:
+    trainer.close()
   return seen
 
 

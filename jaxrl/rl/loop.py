@@ -113,6 +113,7 @@ class Trainer:
     self.ref_params = None  # the frozen reference: params (full fine-tuning) or adapters (LoRA)
     self.summary: dict = {}
     self.stop_request = StopRequest()  # installed as the SIGTERM handler by `run`
+    self._told_skipped = False  # whether a skipped RL update has been logged
 
   def ref_params_now(self) -> nnx.State:
     """The KL reference the rollout stage reads: the warm-started policy. With LoRA, the
@@ -195,7 +196,8 @@ class Trainer:
           shown["acc"] = m["eval/accuracy"]
         progress.update(1, **shown)
         self._save_rl(done, it, force=done == stop)
-        if self.stop_request.requested and done < rl.steps:  # SIGTERM: save here and stop
+        # SIGTERM at any process: every process saves here and stops.
+        if done < rl.steps and self.stop_request.requested_anywhere():
           self._save_rl(done, it, force=True)
           self.rl_ckpt.wait()
           raise Preempted("RL", done, self.rl_ckpt.directory)
@@ -203,7 +205,7 @@ class Trainer:
       if tracing:
         jax.profiler.stop_trace()  # the run stopped inside the traced steps
       self.pipeline.close()
-    progress.close()
+      progress.close()  # ended, so that a line about a stop starts a line of its own
     if stop == rl.steps and "accuracy_after_rl" not in self.summary:
       # Resumed from the final checkpoint: the loop above ran no step.
       self._summarise(self.evaluate(self.state.policy.params), "after_rl")
@@ -223,7 +225,17 @@ class Trainer:
     self.state, update_m = self.learner.update(self.state, batch, step)
     self.pipeline.publish(step + 1, self.state.policy.params)
     m = {k: float(v) for k, v in jax.device_get({**update_m, **rollout_m}).items()}
-    self.summary["rl_nonfinite_updates"] = self.learner.guard.check(step + 1)
+    skipped = self.learner.guard.check(step + 1)
+    if skipped > self.summary.get("rl_nonfinite_updates", 0) and not self._told_skipped:
+      self._told_skipped = True  # once: later skips are only counted
+      if jax.process_index() == 0:
+        self.log(
+          f"[jaxrl] RL step {step + 1}: the optimizer update was skipped (non-finite loss, "
+          f"gradient or update; params and optimizer state kept), {skipped} skipped so far; "
+          "later ones are only counted (opt/nonfinite), and "
+          f"guard.max_nonfinite_updates={self.learner.guard.limit} in a row stop the run"
+        )
+    self.summary["rl_nonfinite_updates"] = skipped
     m.update(pipeline_m)
     m.update({"time/rollout_s": t1 - t0, "time/train_s": time.perf_counter() - t1})
     self._count_staleness(step, rolled)
@@ -274,7 +286,8 @@ class Trainer:
     self.workdir.mkdir(parents=True, exist_ok=True)
     with StopRequest() as self.stop_request:  # SIGTERM: checkpoint after this step and stop
       self.run_sft()
-      if self.stop_request.requested:  # between the phases: the warm-start is saved whole
+      # Between the phases (the warm-start is saved whole), as every process agrees.
+      if self.stop_request.requested_anywhere():
         raise Preempted("SFT", self.cfg.sft.steps, self.sft.ckpt.directory)
       self.run_rl(until)
     self.rl_ckpt.wait()

@@ -93,15 +93,23 @@ class SFTPhase:
       self.log(f"[jaxrl] resumed SFT from step {start} in {self.ckpt.directory}")
     stop = cfg.steps if until is None else min(until, cfg.steps)
     progress = Progress(total=cfg.steps, desc="sft", enabled=run.cfg.log.progress, initial=start)
+    checked, told = start, False  # the last step whose skips were counted; whether one was logged
     for step in range(start + 1, stop + 1):
       state, m = self.step_fn(state, run.shard(self.batch(next(it))))
       self.guard.update(m["opt/nonfinite"])
-      preempted = stop_request is not None and stop_request.requested and step < cfg.steps
+      # SIGTERM at any process of the run: every process checkpoints this step and stops.
+      preempted = (
+        stop_request is not None and step < cfg.steps and stop_request.requested_anywhere()
+      )
       saving = step < cfg.steps and (step % self.ckpt.save_every == 0 or step == stop)
       saving = saving or preempted
       if step % 10 == 0 or step == cfg.steps or saving:
         # Counted on the device; fetched where metrics or a checkpoint sync anyway.
-        summary["sft_nonfinite_updates"] = self.guard.check(step)
+        skipped = self.guard.check(step)
+        if skipped > summary.get("sft_nonfinite_updates", 0) and not told:
+          told = True  # once: later skips are only counted
+          self._tell_skipped(checked + 1, step, skipped)
+        summary["sft_nonfinite_updates"], checked = skipped, step
       if step % 10 == 0 or step == cfg.steps:
         m = {k: float(v) for k, v in jax.device_get(m).items()}
         self.metrics.write(step, {**m, "global_step": step}, phase="sft")
@@ -132,3 +140,16 @@ class SFTPhase:
       f"{summary['accuracy_after_sft']:.3f} after {cfg.steps} SFT steps"
     )
     return state.params
+
+  def _tell_skipped(self, first: int, last: int, skipped: int) -> None:
+    """The one line a run logs when an update is first skipped (between steps `first` and
+    `last`: the counts are fetched only every few steps)."""
+    if jax.process_index() != 0:
+      return
+    when = f"step {last}" if first == last else f"steps {first}-{last}"
+    self.log(
+      f"[jaxrl] SFT {when}: an optimizer update was skipped (non-finite loss, gradient or "
+      f"update; params and optimizer state kept), {skipped} skipped so far; later ones are only "
+      f"counted (opt/nonfinite), and guard.max_nonfinite_updates={self.guard.limit} in a row "
+      "stop the run"
+    )

@@ -115,9 +115,16 @@ def test_diverging_warm_start_stops_with_its_last_finite_checkpoint(tmp_path):
 
 @pytest.mark.e2e
 def test_one_nonfinite_rl_step_is_skipped_and_the_run_goes_on(tmp_path):
-  trainer = Trainer(_config(tmp_path), log=lambda *_: None)
-  batch_fn = trainer.experience.batch
-  seen = {}
+  logged = []
+  trainer = Trainer(_config(tmp_path), log=logged.append)
+  batch_fn, sft_step = trainer.experience.batch, trainer.sft.step_fn
+  seen, sft_calls = {}, []
+
+  def poisoned_sft(state, batch):
+    sft_calls.append(1)
+    if len(sft_calls) in (3, 7):  # two NaN weights: skipped, the first one told
+      batch = batch._replace(loss_mask=batch.loss_mask.at[0, 0].set(jnp.nan))
+    return sft_step(state, batch)
 
   def poisoned(step, rolled, **kw):
     batch, m = batch_fn(step, rolled, **kw)
@@ -129,14 +136,24 @@ def test_one_nonfinite_rl_step_is_skipped_and_the_run_goes_on(tmp_path):
       batch = batch._replace(advantages=batch.advantages.at[0].set(batch.loss_mask[0]))
     return batch, m
 
-  trainer.experience.batch = poisoned
+  trainer.experience.batch, trainer.sft.step_fn = poisoned, poisoned_sft
   summary = trainer.run()
   final = jax.device_get(trainer.state.policy.params)
   trainer.close()
   lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
   flags = [r["opt/nonfinite"] for r in lines if r["phase"] == "rl"]
   assert flags == [0.0, 1.0, 0.0, 0.0]
-  assert summary["rl_nonfinite_updates"] == 1
+  assert summary["rl_nonfinite_updates"] == 1 and summary["sft_nonfinite_updates"] == 2
+  # One line per phase, the first time: SFT counts its skips every checkpoint.every=2 steps.
+  told = [line for line in logged if "skipped" in line]
+  assert told == [
+    "[jaxrl] SFT steps 3-4: an optimizer update was skipped (non-finite loss, gradient or "
+    "update; params and optimizer state kept), 1 skipped so far; later ones are only counted "
+    "(opt/nonfinite), and guard.max_nonfinite_updates=10 in a row stop the run",
+    "[jaxrl] RL step 2: the optimizer update was skipped (non-finite loss, gradient or update; "
+    "params and optimizer state kept), 1 skipped so far; later ones are only counted "
+    "(opt/nonfinite), and guard.max_nonfinite_updates=10 in a row stop the run",
+  ]
   for a, b in zip(jax.tree.leaves(seen["before"]), jax.tree.leaves(seen["after"]), strict=True):
     np.testing.assert_array_equal(a, b)  # step 1 left the policy as it was
   assert all_finite(final)
