@@ -8,6 +8,8 @@ import numpy as np
 import pytest
 
 from jaxrl.config import config_module, validate
+from jaxrl.rewards import sandbox
+from jaxrl.rl import components
 from jaxrl.rl.loop import Trainer
 
 CONFIGS = sorted((Path(__file__).parent.parent / "configs").glob("*.py"))
@@ -66,3 +68,10 @@ def test_smoke_variant_runs_and_learns(path, tmp_path):
   changed = [not np.array_equal(a, b) for a, b in zip(init, jax.tree.leaves(final), strict=True)]
   assert all(changed)
   assert (tmp_path / "curves.png").exists() and (tmp_path / "summary.json").exists()
+  saved = json.loads((tmp_path / "summary.json").read_text())
+  if cfg.reward.name.startswith("code_"):  # the isolation the programs got here, on record
+    assert saved["sandbox_isolation"] == sandbox.isolation(
+      components.sandbox_limits(cfg.reward.sandbox)
+    )
+  else:
+    assert "sandbox_isolation" not in saved

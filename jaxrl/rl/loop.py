@@ -40,6 +40,7 @@ from jaxrl.mesh import use_mesh
 from jaxrl.metrics import MetricsWriter, Progress, plot_curves
 from jaxrl.models.lora import split_lora
 from jaxrl.preemption import Preempted, StopRequest
+from jaxrl.rewards import sandbox
 from jaxrl.rl import components
 from jaxrl.rl.evaluation import Evaluator
 from jaxrl.rl.experience import Experience, build_sampler
@@ -294,6 +295,8 @@ class Trainer:
     self.metrics.flush()
     if "accuracy_after_rl" in self.summary and jax.process_index() == 0:  # one writer
       self.summary["wall_s"] = time.perf_counter() - t0
+      if (isolation := _sandbox_isolation(self.cfg, self.ctx.reward_fn)) is not None:
+        self.summary["sandbox_isolation"] = isolation  # what fenced model-written code here
       (self.workdir / "summary.json").write_text(json.dumps(self.summary, indent=2))
       png = plot_curves(
         self.workdir / "metrics.jsonl",
@@ -322,3 +325,13 @@ class Trainer:
     self.sft.ckpt.close()
     self.rl_ckpt.close()
     self.metrics.close()
+
+
+def _sandbox_isolation(cfg: Config, reward_fn) -> str | None:
+  """The isolation ("namespaces" or "limits") the run's sandboxed programs got on this host, if
+  it runs any (a code reward, or the python tool)."""
+  if hasattr(reward_fn, "isolation"):
+    return reward_fn.isolation
+  if cfg.rl.rollout.env == "python":
+    return sandbox.isolation(components.sandbox_limits(cfg.reward.sandbox))
+  return None
