@@ -270,18 +270,21 @@ class Driver:
       unit_left[seq.unit] -= 1
       done_units[0] += unit_left[seq.unit] == 0
 
-    def admit():
+    def admit() -> int:
+      """Admit queued units; how many."""
       if self.batching == "continuous":
-        fill(budget=None)
-        return
+        return fill(budget=None)
       # A batch whose every sequence finished at its first token leaves nothing live: start the
       # next one at once. An empty engine always admits the head unit (`_units` checked it fits).
+      admitted = 0
       while queue and not live:
         stats["batches"] += 1
-        fill(budget=eng.max_concurrent_decodes)
+        admitted += fill(budget=eng.max_concurrent_decodes)
+      return admitted
 
-    def fill(budget):
-      """Admit queued units while slots and pages last (and, static, `budget` samples)."""
+    def fill(budget) -> int:
+      """Admit queued units while slots and pages last (and, static, `budget` samples); how
+      many."""
       admitted = []
       slots_left, pages_left = eng.max_concurrent_decodes - len(live), eng.allocator.num_free
       while queue:
@@ -300,7 +303,7 @@ class Driver:
         if budget is not None:
           budget -= len(group)
       if not admitted:
-        return
+        return 0
       # Whole prompts of one length bucket share one prefill call and one insert; prompts past
       # a prefill chunk are prefilled chunk by chunk, one unit at a time; groups kept from an
       # earlier run of the step are inserted from their prefill, one insert per kept batch.
@@ -391,6 +394,7 @@ class Driver:
             row = offsets[k] + (r.sample_index if spare[k] else j)
             members.append((u, r, int(row)))
         place(batch, first, members, batched=batched)
+      return len(admitted)
 
     def place(batch, first, members, *, batched: bool):
       """Start each (unit, request, sample row of the prefill) from its first token: retire it
@@ -447,14 +451,16 @@ class Driver:
     pending = None
     aborted = False
     while True:  # until nothing is live, queued or fed by on_finished
-      admit()
+      admitted = admit()
       if stop_when is not None and stop_when(Progress(finished, done_units[0], len(live))):
         aborted = True
         break
       if not live and pending is None:
-        if queue:  # cannot happen: `_units` checked that every unit fits an empty engine
+        if queue and not admitted:  # cannot happen: `_units` checked every unit fits
           raise RuntimeError("requests are queued but none can be admitted")
-        if report():  # sequences retired at their first token may feed more
+        # Sequences retired at their first token (max_new_tokens=1, or a first token that stops)
+        # leave the slots empty with units still queued, and may feed more: admit again.
+        if report() or queue:
           continue
         break
       dispatched = None

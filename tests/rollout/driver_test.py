@@ -146,6 +146,24 @@ def test_stop_token_and_stop_string():
   assert eng.allocator.num_free == eng.num_pages
 
 
+@pytest.mark.parametrize("batching", ["continuous", "static"])
+def test_sequences_ending_at_their_first_token_never_block_the_queue(batching):
+  # max_new_tokens=1: each sequence ends at its prefill, so no slot ever holds one; the requests
+  # (groups and singles) outnumber the 3 slots, and the driver admits until the queue is empty.
+  eng, (_, _, params) = _engine(), tiny_model()
+  reqs = _requests(n_groups=2, g=3, n_single=4, max_new=1)
+  res = Driver(eng, steps_per_call=4, eos_id=None, batching=batching).run(params, reqs, seed=1)
+  assert not res.partial and not res.unstarted
+  assert sorted(c.request_id for c in res.finished) == [r.request_id for r in reqs]
+  assert all(len(c.tokens) == 1 and c.finish_reason == "length" for c in res.finished)
+  assert res.stats["generate_calls"] == 0 and res.stats["prefill_prompts"] == 2 + 4
+  assert eng.allocator.num_free == eng.num_pages and not eng.slot_pages
+  by_id = {r.request_id: r for r in reqs}
+  for c in res.finished:
+    if by_id[c.request_id].group_id is None:
+      assert c.tokens.tolist() == _greedy_reference(by_id[c.request_id].prompt, 1)
+
+
 def test_abort_returns_partial_sequences_intact():
   eng, (_, _, params) = _engine(), tiny_model()
   driver = Driver(eng, steps_per_call=4, eos_id=None)
