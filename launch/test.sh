@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
-# Quickstart 2: run the test suite (installs into .venv on first use). Extra arguments go to pytest.
+# Quickstart 2: run the test suite (installs jaxrl and the [test] extra into .venv on first use).
+# Extra arguments go to pytest.
 #   bash launch/test.sh            # every tier: what CI runs
 #   bash launch/test.sh --fast     # the unit and integration tiers, for the edit-test loop
 # The tiers and their times: tests/README.md.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-source "$ROOT/launch/env.sh"
+source "$ROOT/launch/env.sh" test
 cd "$ROOT"
 # libtpu, the version jax[tpu] pins, beside the venv (never imported by it): the TPU compile
 # tests (tests/kernels/tpu_compile_test.py) hand it to child processes to compile the Pallas
