@@ -36,7 +36,7 @@ def evaluate(config, *, phase: str = "latest", samples: int | None = None) -> di
     with config.unlocked():
       config.eval.num_samples = samples
   if phase == "init":
-    run = Run.build(checked_config(config, "latest"))
+    run = Run.build(checked_config(config, "latest"), writes=False)
     step, params = 0, run.init_params
   else:
     run, phase, step, params = restore_run(checked_config(config, phase), phase)

@@ -47,7 +47,7 @@ def restore_run(cfg, phase: str):
       f"no checkpoint in workdir {cfg.workdir!r}: it has no checkpoints/ directory "
       "(checkpointed phases: none)"
     )
-  run = Run.build(cfg)
+  run = Run.build(cfg, writes=False)  # a read-only workdir exports too
   try:
     phase, step, params = restore_params(run, phase)
   except FileNotFoundError as e:

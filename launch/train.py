@@ -57,28 +57,38 @@ def main(argv):
   from jaxrl.data.jsonl import RecordError
   from jaxrl.guard import NonFiniteError
   from jaxrl.models.hf import CheckpointFileError
+  from jaxrl.orbax_noise import silenced
   from jaxrl.preemption import Preempted
   from jaxrl.rewards import RewardError
   from jaxrl.rl.loop import Trainer
-  from jaxrl.tokenizer import TokenizerFileError
+  from jaxrl.tokenizer import ChatTemplateError, TokenizerFileError
 
   # A bad file or a failing reward ends the run on its own message, not a traceback.
-  input_errors = (RecordError, TokenizerFileError, CheckpointFileError, CheckpointError)
-  try:
-    trainer = Trainer(validate(_CONFIG.value))
-  except ConfigError as e:
-    sys.exit(f"error in config: {e}")
-  except input_errors as e:
-    sys.exit(f"error in input: {e}")
-  try:
-    trainer.run()
-  except (NonFiniteError, RewardError, *input_errors) as e:
-    sys.exit(f"error: {e}")  # after `finally` has finished the in-flight checkpoint writes
-  except Preempted as e:
-    print(f"[jaxrl] {e}", file=sys.stderr)
-    sys.exit(143)  # 128 + SIGTERM: not finished; the same command resumes
-  finally:
-    trainer.close()
+  input_errors = (
+    RecordError,
+    TokenizerFileError,
+    ChatTemplateError,
+    CheckpointFileError,
+    CheckpointError,
+  )
+  # An unreadable checkpoint is logged in one line and fallen back from: not also reported
+  # by each of its failed reads.
+  with silenced():
+    try:
+      trainer = Trainer(validate(_CONFIG.value))
+    except ConfigError as e:
+      sys.exit(f"error in config: {e}")
+    except input_errors as e:
+      sys.exit(f"error in input: {e}")
+    try:
+      trainer.run()
+    except (ConfigError, NonFiniteError, RewardError, *input_errors) as e:
+      sys.exit(f"error: {e}")  # after `finally` has finished the in-flight checkpoint writes
+    except Preempted as e:
+      print(f"[jaxrl] {e}", file=sys.stderr)
+      sys.exit(143)  # 128 + SIGTERM: not finished; the same command resumes
+    finally:
+      trainer.close()
 
 
 if __name__ == "__main__":

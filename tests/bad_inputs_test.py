@@ -9,6 +9,7 @@ import json
 import math
 import os
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -23,6 +24,7 @@ from jaxrl.config import ConfigError, SandboxConfig, validate
 from jaxrl.data.jsonl import JsonlTask
 from jaxrl.guard import NonFiniteError
 from jaxrl.models import hf
+from jaxrl.orbax_noise import silenced
 from jaxrl.rewards import sandbox
 from jaxrl.rewards.pool import RewardPool
 from jaxrl.rl import components
@@ -334,7 +336,9 @@ def _cli(what: str, flags, message: str) -> None:
 
   def trigger(tmp):
     args = flags(tmp) if callable(flags) else flags
-    cmd = [sys.executable, "-m", "launch.train", *args, f"--config.workdir={tmp / 'wd'}"]
+    if not any(a.startswith("--config.workdir=") for a in args):
+      args = [*args, f"--config.workdir={tmp / 'wd'}"]
+    cmd = [sys.executable, "-m", "launch.train", *args]
     done = run_child(cmd, cwd=ROOT)
     if done.returncode == 0:
       return done
@@ -378,6 +382,13 @@ _cli(
   "unexpected arguments: ['extra']",
 )
 
+_cli(
+  "a workdir that is a file, from the command line",
+  lambda tmp: (tmp / "afile").write_text("x") and [_SMOKE, f"--config.workdir={tmp / 'afile'}"],
+  "error in config: config.workdir='TMP/afile' exists and is not a directory; allowed: a "
+  "directory for the run's outputs (an existing one, or a path where one can be made)",
+)
+
 
 _cli(
   "a dataset line that is not JSON, from the command line",
@@ -394,11 +405,12 @@ _cli(
 # ---------------------------------------------------------- runs (checked before the model)
 
 
-def _run(tmp: Path, **over):
+def _run(tmp: Path, workdir=None, **over):
   """Builds a smoke run with `over` merged in (section: dict); the error, before any work."""
   from jaxrl.rl.loop import Trainer
 
-  Trainer(smoke_config(tmp / "wd", **over), log=lambda *_: None).close()
+  cfg = smoke_config(tmp / "wd" if workdir is None else workdir, **over)
+  Trainer(cfg, log=lambda *_: None).close()
 
 
 def _run_entry(category: str, what: str, message: str, make=None, **over) -> None:
@@ -475,6 +487,63 @@ _run_entry(
   "workdir, delete this one, or set config.resume=True to continue it.",
   make=lambda tmp: (tmp / "wd").mkdir() or (tmp / "wd" / "metrics.jsonl").write_text("{}\n") and {},
   resume=False,
+)
+_run_entry(
+  "workdirs",
+  "a workdir that is a file",
+  "/afile' exists and is not a directory; allowed: a directory for the run's outputs (an "
+  "existing one, or a path where one can be made)",
+  make=lambda tmp: (tmp / "afile").write_text("x") and {"workdir": str(tmp / "afile")},
+)
+_run_entry(
+  "workdirs",
+  "a workdir under a file",
+  "/afile', which exists and is not a directory; allowed: a directory for the run's outputs",
+  make=lambda tmp: (tmp / "afile").write_text("x") and {"workdir": str(tmp / "afile" / "run")},
+)
+_run_entry(
+  "workdirs",
+  "a workdir under /proc",
+  "config.workdir='/proc/jaxrl/run' cannot be written: no directory can be created in '/proc'",
+  workdir="/proc/jaxrl/run",
+)
+_run_entry(
+  "workdirs",
+  "a workdir under /sys",
+  "config.workdir='/sys/jaxrl' cannot be written: no directory can be created in '/sys'",
+  workdir="/sys/jaxrl",
+)
+_run_entry(
+  "prompts",
+  "warm-start demonstrations longer than the completion budget",
+  "config.rl.max_new_tokens=3 is shorter than the warm-start's demonstrations (with their EOS): ",
+  rl={"max_new_tokens": 3},
+)
+
+
+def _long_training_prompts(tmp: Path) -> dict:
+  """A JSONL task whose held-out file's prompts fit the smoke's 8-token bucket, and whose
+  training file's do not."""
+  train = _jsonl(tmp, '{"question": "a long question", "answer": "#### 4"}\n', "train.jsonl")
+  held = _jsonl(tmp, '{"question": "q", "answer": "#### 4"}\n', "held.jsonl")
+  task = {"name": "jsonl", "path": str(train), "held_out_path": str(held)}
+  return {"task": task, "reward": {"name": "gsm8k"}, "eval": {"num_examples": 1}}
+
+
+_run_entry(
+  "prompts",
+  "training prompts longer than the prompt bucket, beside held-out ones that fit",
+  "config.rl.max_prompt_len=8 is shorter than the task's prompts: 'a long question' is 16 tokens",
+  make=_long_training_prompts,
+)
+_run_entry(
+  "prompts",
+  "a chat template that fails to render",
+  "config.task.chat=True: chat template from ",
+  make=lambda tmp: {
+    "model": {"tokenizer": str(_tok_dir(tmp, chat_template="{{ raise_exception('no') }}"))},
+    "task": {"chat": True},
+  },
 )
 _run_entry(
   "HF checkpoint directories",
@@ -617,6 +686,27 @@ def _(tmp):
 
 @entry(
   "dataset records",
+  "a dataset path that is a directory",
+  "/data' is a directory; allowed: a .jsonl or .parquet file",
+)
+def _(tmp):
+  (tmp / "data").mkdir()
+  return JsonlTask(tmp / "data")
+
+
+@entry(
+  "dataset records",
+  "a training record without an answer, beside a held-out file",
+  "train.jsonl:2: missing field 'answer' (fields present: ['question'])",
+)
+def _(tmp):
+  train = _jsonl(tmp, '{"question": "q", "answer": "#### 4"}\n{"question": "r"}\n', "train.jsonl")
+  held = _jsonl(tmp, '{"question": "s", "answer": "#### 5"}\n', "held.jsonl")
+  return JsonlTask(train, held_out_path=held)
+
+
+@entry(
+  "dataset records",
   "a .parquet file that is not Parquet",
   "data.parquet: not a readable Parquet file (ArrowInvalid: ",
 )
@@ -695,8 +785,12 @@ def _(tmp):
       for f in p.rglob("*"):
         if f.is_file():
           f.write_bytes(b"")
-  with Checkpointer(tmp / "ck") as ckpt:
-    ckpt.restore_newest_readable(_abstract(_state()))
+  # (silenced: the failed reads' own reports would land, as warnings, in a later test)
+  with silenced(), Checkpointer(tmp / "ck") as ckpt:
+    try:
+      ckpt.restore_newest_readable(_abstract(_state()))
+    finally:
+      time.sleep(0.2)  # the reads' callbacks come from TensorStore's threads
 
 
 @entry(
@@ -932,8 +1026,9 @@ def render() -> str:
     "",
     "Every malformed input below fails with an error whose message holds the text shown word "
     "for word (`...`: the message goes on, with paths or lists; a line break is written "
-    "`\\n`). What a run can check up front (configs, flags, mesh shapes, prompts, model, "
-    "tokenizer and dataset files) fails before its first step and leaves no workdir behind; "
+    "`\\n`). What a run can check up front (configs, flags, mesh shapes, workdirs, prompts "
+    "and demonstrations, model, tokenizer and dataset files) fails before its first step and "
+    "leaves no workdir behind; "
     "reward and checkpoint failures are caught where they happen (rewards per "
     "`reward.on_error`; a non-finite state is never written). Each row is asserted by "
     "`tests/bad_inputs_test.py`, which also renders this page "

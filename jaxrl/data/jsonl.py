@@ -173,6 +173,10 @@ class _Rows:
     for a bad one, which is re-raised naming the file and line). Every process calls this
     together: each checks the lines in its share of the bytes (of a Parquet file: its share of
     the row groups) and they exchange what they found."""
+    if os.path.isdir(path):
+      raise IsADirectoryError(
+        f"dataset file {path!r} is a directory; allowed: a .jsonl or .parquet file"
+      )
     if not os.path.isfile(path):
       raise FileNotFoundError(f"dataset file {path!r} does not exist")
     stamp = _stamp(os.stat(path))
@@ -350,7 +354,12 @@ class JsonlTask:
 
   def _index(self, path: str, *, by_hash: bool) -> _Rows:
     limit = self.held_out_fraction * _NUM_BUCKETS
-    rows = _Rows.index(path, lambda row: by_hash and _bucket(self._record(row)["prompt"]) < limit)
+
+    def check(row) -> bool:  # every record is checked; its bucket splits it only `by_hash`
+      prompt = self._record(row)["prompt"]
+      return by_hash and _bucket(prompt) < limit
+
+    rows = _Rows.index(path, check)
     if not len(rows):
       raise RecordError(f"{path}: the file holds no records")
     return rows

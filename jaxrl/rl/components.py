@@ -19,7 +19,7 @@ from jaxrl.models.config import ModelConfig, from_preset
 from jaxrl.models.hf import hf_model_config, load_hf_checkpoint
 from jaxrl.models.transformer import make_model
 from jaxrl.rewards.sandbox import Limits, SandboxUnavailableError
-from jaxrl.tokenizer import Tokenizer, load_tokenizer
+from jaxrl.tokenizer import ChatTemplateError, Tokenizer, load_tokenizer
 
 
 def build_tokenizer(model: ModelSection) -> Tokenizer:
@@ -200,8 +200,9 @@ def build_task(
       answer_field=task.answer_field,
       answer_format=task.answer_format,
     )
-  except FileNotFoundError as e:
-    raise ConfigError(f"config.task.path / task.held_out_path: {e}") from e
+  except (FileNotFoundError, IsADirectoryError) as e:
+    field = "task.path" if not os.path.isfile(task.path) else "task.held_out_path"
+    raise ConfigError(f"config.{field}: {e}") from e
 
 
 class PromptEncoder:
@@ -229,7 +230,10 @@ class PromptEncoder:
     messages = [{"role": "user", "content": text}]
     if self.system_prompt:
       messages.insert(0, {"role": "system", "content": self.system_prompt})
-    return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    try:
+      return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    except ChatTemplateError as e:  # missing, does not compile, or refuses these messages
+      raise ConfigError(f"config.task.chat=True: {e}") from e
 
   def __call__(self, record) -> list[int]:
     return self.tokenizer.encode(self.text(record), add_bos=not self.chat)

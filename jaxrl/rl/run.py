@@ -11,6 +11,8 @@ an engine or a teacher.
 from __future__ import annotations
 
 import dataclasses
+import os
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -56,7 +58,11 @@ class Run:
   reward_pool: RewardPool | None = None
 
   @classmethod
-  def build(cls, cfg: Config) -> Run:
+  def build(cls, cfg: Config, *, writes: bool = True) -> Run:
+    """`writes=False`: a run that only reads its workdir (export, evaluation), which then need
+    not be writable."""
+    if writes:
+      check_workdir(Path(cfg.workdir))
     tok = components.build_tokenizer(cfg.model)
     devices, sampler_mesh = jax.devices(), None
     if cfg.mesh.devices:
@@ -99,19 +105,14 @@ class Run:
     task = components.build_task(cfg.task, workdir, seed=cfg.seed)
     held_out = task.held_out(cfg.eval.num_examples, seed=cfg.seed)
     encode_prompt = components.PromptEncoder(cfg.task, tok)
-    if held_out:  # the template fits the task's records and its prompts fit: not mid-run
-      longest = max(held_out, key=lambda r: len(encode_prompt(r)))
-      if (n := len(encode_prompt(longest))) > cfg.rl.max_prompt_len:
-        raise ConfigError(
-          f"config.rl.max_prompt_len={cfg.rl.max_prompt_len} is shorter than the task's "
-          f"prompts: {encode_prompt.text(longest)!r} is {n} tokens"
-        )
     pool = None
     if cfg.rl.prompt_pool:
       try:
         pool = draw_pool(task, cfg.rl.prompt_pool, seed=cfg.seed)
       except ValueError as e:
         raise ConfigError(f"config.rl.prompt_pool={cfg.rl.prompt_pool}: {e}") from e
+    # The template fits the task's records, and its prompts and demonstrations fit: not mid-run.
+    check_lengths(cfg, task, encode_prompt, held_out, pool)
     reward_fn = rewards.get(cfg.reward.name)
     if hasattr(reward_fn, "configured"):  # a code reward: its sandbox's limits
       reward_fn = components.sandboxed(reward_fn, cfg.reward.sandbox)
@@ -197,15 +198,13 @@ class Run:
   def encode(self, records) -> list[list[int]]:
     """Prompt token ids of each record; a prompt longer than rl.max_prompt_len is an error."""
     limit = self.cfg.rl.max_prompt_len
-    seqs = []
-    for r in records:
-      ids = self.encode_prompt(r)
+    seqs = [self.encode_prompt(r) for r in records]
+    for r, ids in zip(records, seqs, strict=True):
       if len(ids) > limit:
-        raise ValueError(
-          f"prompt {r['prompt']!r} has {len(ids)} tokens, more than "
-          f"config.rl.max_prompt_len={limit}"
+        text = self.encode_prompt.text(r)
+        raise ConfigError(
+          too_long("rl.max_prompt_len", limit, "the task's prompts", text, len(ids))
         )
-      seqs.append(ids)
     return seqs
 
   def prompts(self, records) -> tuple[np.ndarray, np.ndarray]:
@@ -260,6 +259,88 @@ class Run:
     return Checkpointer(
       self.workdir / "checkpoints" / phase, max_to_keep=ck.max_to_keep, save_every=ck.every
     )
+
+
+# Records of each training stream whose lengths are checked before the first step: the first
+# ones, which the first steps train on (a synthetic stream has no end; a file may be long).
+CHECKED_RECORDS = 2048
+_WORKDIR = "a directory for the run's outputs (an existing one, or a path where one can be made)"
+
+
+def check_workdir(workdir: Path) -> None:
+  """config.workdir is a directory this process can write in, or a path where one can be made:
+  checked before anything is built (the first write comes after the model, or mid-run), by
+  creating and removing an empty directory in it or in its nearest existing ancestor
+  (permission bits say nothing to root, nor of /proc or /sys)."""
+  path = base = workdir.absolute()
+  while not base.exists() and base != base.parent:
+    base = base.parent
+  if not base.is_dir():
+    what = "exists" if base == path else f"is under {str(base)!r}, which exists"
+    raise ConfigError(
+      f"config.workdir={str(workdir)!r} {what} and is not a directory; allowed: {_WORKDIR}"
+    )
+  try:
+    os.rmdir(tempfile.mkdtemp(prefix=".jaxrl-write-check-", dir=base))
+  except OSError as e:
+    raise ConfigError(
+      f"config.workdir={str(workdir)!r} cannot be written: no directory can be created in "
+      f"{str(base)!r} ({e.strerror}); allowed: {_WORKDIR}"
+    ) from None
+
+
+def too_long(field: str, limit: int, what: str, text: str, n: int) -> str:
+  """The message for a prompt or demonstration longer than config field `field` allows."""
+  return f"config.{field}={limit} is shorter than {what}: {text!r} is {n} tokens"
+
+
+def _head(dataset, n: int) -> list[dict]:
+  """The first `n` records of a training stream (a dataset of lists of records)."""
+  out = []
+  for batch in dataset:
+    out += batch[: n - len(out)]
+    if len(out) >= n:
+      break
+  return out
+
+
+def _longest(items: list, length) -> tuple[int, int]:
+  """(index, length) of the first longest item."""
+  lengths = [length(x) for x in items]
+  i = int(np.argmax(lengths))
+  return i, lengths[i]
+
+
+def check_lengths(cfg: Config, task, encode_prompt, held_out: list[dict], pool) -> None:
+  """Every prompt fits rl.max_prompt_len and every warm-start demonstration, with its EOS,
+  rl.max_new_tokens; else a ConfigError naming the field and the longest one. Checked before
+  the model is built, on the held-out records, the RL phase's prompts (its pool, or the first
+  CHECKED_RECORDS records of its stream) and the warm-start's first CHECKED_RECORDS records
+  (the stream jaxrl.rl.sft draws, with seed + 1). A later record that does not fit is refused
+  when its batch is made."""
+  rl, sft = cfg.rl, cfg.sft
+  rl_prompts = pool
+  if pool is None:  # the stream Run.rl_stream draws
+    n = min(CHECKED_RECORDS, rl.steps * rl.prompts_per_step)
+    rl_prompts = _head(task.train_dataset(seed=cfg.seed, batch_size=n), n)
+  prompts, demos = [*held_out, *rl_prompts], []
+  if sft.steps:
+    sft_task = task.sft_task(sft)
+    n = min(CHECKED_RECORDS, sft.steps * sft.batch_size)
+    records = _head(sft_task.train_dataset(seed=cfg.seed + 1, batch_size=n), n)
+    prompts += records
+    demos = [sft_task.sft_completion(r) for r in records]
+  i, n = _longest(prompts, lambda r: len(encode_prompt(r)))
+  if n > rl.max_prompt_len:
+    text = encode_prompt.text(prompts[i])
+    raise ConfigError(
+      too_long("rl.max_prompt_len", rl.max_prompt_len, "the task's prompts", text, n)
+    )
+  if demos:
+    i, n = _longest(demos, lambda d: len(encode_prompt.tokenizer.encode(d)) + 1)  # + EOS
+    if n > rl.max_new_tokens:
+      what = "the warm-start's demonstrations (with their EOS)"
+      raise ConfigError(too_long("rl.max_new_tokens", rl.max_new_tokens, what, demos[i], n))
 
 
 def check_batches_divide(cfg: Config, mesh: jax.sharding.Mesh, rules: Rules) -> None:
