@@ -160,3 +160,33 @@ def test_adversarial_answers_finish_with_a_defined_score(name):
   worker.start()
   assert done.wait(60.0), f"still scoring after 60 s; finished {sorted(scores)}"
   assert scores == {key: want for key, (_, want) in ADVERSARIAL.items()}
+
+
+def test_math_verify_on_adversarial_answers_ends_with_a_score_or_a_counted_timeout():
+  """sympy may work without end on a crafted answer: math_verify is `unbounded`, scored in
+  worker processes under reward.timeout_s, where each such answer costs only itself."""
+  from jaxrl.rewards.pool import RewardPool
+
+  fn = rewards.get("math_verify")
+  picks = (
+    "a tower of powers",
+    "a megabyte of digits",
+    "deeply nested fractions",
+    "fullwidth digits",
+  )
+  completions = [ADVERSARIAL[k][0] for k in picks] + ["\\boxed{42}"]
+  pool = RewardPool(fn, workers=2, timeout_s=2.0, grace_s=2.0)
+  kinds: dict[str, int] = {}
+  try:
+    values, failures = rewards.compute_rewards(
+      fn,
+      completions,
+      [{"answer": "42"}] * len(completions),
+      on_error="zero",
+      pool=pool,
+      kinds=kinds,
+    )
+  finally:
+    pool.close()
+  assert set(values.tolist()) <= {0.0, 1.0} and values[-1] == 1.0
+  assert failures == sum(kinds.values()) and set(kinds) <= {"timeout", "exception"}
