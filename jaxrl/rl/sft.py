@@ -11,12 +11,13 @@ from typing import Any
 
 import jax
 
+from jaxrl.config import ConfigError
 from jaxrl.guard import NonFiniteGuard
 from jaxrl.metrics import MetricsWriter, Progress
 from jaxrl.preemption import Preempted
 from jaxrl.rl import batch as batch_lib
 from jaxrl.rl.objectives import SFTLoss
-from jaxrl.rl.run import Run, abstract
+from jaxrl.rl.run import Run, abstract, too_long
 from jaxrl.rl.train_step import init_state, make_optimizer, make_train_step
 
 
@@ -60,9 +61,15 @@ class SFTPhase:
     run = self.run
     toks, mask = run.prompts(records)
     eos = run.tokenizer.eos_id
-    comps = [run.tokenizer.encode(self.task.sft_completion(r)) + [eos] for r in records]
+    demos = [self.task.sft_completion(r) for r in records]
+    comps = [run.tokenizer.encode(d) + [eos] for d in demos]
+    limit = run.cfg.rl.max_new_tokens
+    for demo, ids in zip(demos, comps, strict=True):
+      if len(ids) > limit:  # one past the records Run.build checked: still a config error
+        what = "the warm-start's demonstrations (with their EOS)"
+        raise ConfigError(too_long("rl.max_new_tokens", limit, what, demo, len(ids)))
     return batch_lib.supervised(
-      toks, mask, comps, max_new_tokens=run.cfg.rl.max_new_tokens, pad_id=run.tokenizer.pad_id
+      toks, mask, comps, max_new_tokens=limit, pad_id=run.tokenizer.pad_id
     )
 
   def run_phase(self, summary: dict, until: int | None = None, stop_request=None) -> Any:
