@@ -12,10 +12,18 @@ site-packages, no bytecode written) in an empty environment. In order (1-2 in th
 4. as real root (a namespace sandbox started by root): drop to the spec's unprivileged uid/gid
    with no supplementary groups, so nothing outside the tmpfs is writable and the process limit
    is enforced;
-5. an audit hook (PEP 578) that refuses sockets, new processes (fork, exec, spawn, subprocess,
-   os.system), ctypes and writes outside the working directory. This is the only fence where
-   no namespace could be made, and a second one where it could; Python-level hooks alone are
-   not a security boundary (see jaxrl.rewards.sandbox).
+5. an audit hook (PEP 578) that refuses, by class of Python's audit-event table, writes, links,
+   renames, truncation and metadata changes outside the working directory, signals to other
+   processes, new processes (fork, exec, spawn, subprocess, os.system), native code (ctypes,
+   mmap, extension modules from outside the standard library) and sockets; functions with no
+   audit event that reach other processes or make files are removed first. This is the only
+   fence where no namespace could be made and no uid dropped; Python-level hooks alone are not
+   a security boundary (see jaxrl.rewards.sandbox).
+
+With a test harness in the spec (the code rewards: jaxrl.rewards._harness), the supervisor reads
+the tests from its stdin only after forking the program, evaluates them itself against the
+program's functions through a pair of pipes, and writes the verdicts on the report fd, which
+the program's process closes before anything else.
 
 The supervisor forks the program and exits with its code: the program's own (0 when it runs to
 the end), 1 for an uncaught exception (traceback on stderr), 128 + signo when a signal killed

@@ -15,9 +15,12 @@ it in besides depends on what the host allows (`isolation()`):
 - "limits": resource limits only, where `unshare` is missing or refused (some containers);
   started by root, the program still drops to an unprivileged uid of its own.
 
-In both, an audit hook (PEP 578) in the interpreter refuses sockets, new processes, ctypes and
-writes outside the working directory before the program's first line: the only fence in
-"limits" mode, a second one in "namespaces". A Python-level hook is not a security boundary
+In both, an audit hook (PEP 578) in the interpreter, installed before the program's first line,
+refuses by class of Python's audit-event table: writes, links, renames, truncation and metadata
+changes outside the working directory, signals to other processes, new processes, native code
+and sockets (the list, and what it cannot cover: docs/rewards.md). It is the only fence in
+"limits" mode for a trainer that is not root, a second one otherwise. `auto` warns once when it
+gets "limits". A Python-level hook is not a security boundary
 on its own (a C extension can go around it), which is why `Limits.isolation="namespaces"`
 refuses to run without namespaces; this is the layering of verl's and OpenAI's
 human-eval-style code rewards (a subprocess with limits), with OS namespaces in the style of
