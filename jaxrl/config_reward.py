@@ -13,8 +13,9 @@ class SandboxConfig:
   isolation: str = _field(
     "auto",
     choices=("auto", "namespaces", "limits"),
-    help="namespaces: Linux network/PID/mount namespaces via unshare (refuse to run without "
-    "them); limits: resource limits and the audit hook only; auto: namespaces where available",
+    help="namespaces: Linux network/PID/mount/IPC/UTS namespaces via unshare (refuse to run "
+    "without them); limits: resource limits and the audit hook only; auto: namespaces where "
+    "available, else limits with a warning (summary.json records which ran)",
   )
   cpu_s: int = _field(2, lo=1, help="CPU seconds per program")
   wall_s: float = _field(5.0, lo=0.0, lo_open=True, help="wall-clock seconds per program")
