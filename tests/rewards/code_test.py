@@ -149,6 +149,8 @@ def test_config_asking_for_namespaces_where_none_exist_is_refused(monkeypatch):
     ConfigError, match=r"config\.reward\.sandbox\.isolation='namespaces': sandbox isolation="
   ):
     components.sandboxed(rewards.get("code_tests"), SandboxConfig(isolation="namespaces"))
-  fn = components.sandboxed(rewards.get("code_tests"), SandboxConfig(isolation="auto", cpu_s=1))
-  assert fn.limits.cpu_s == 1 and fn.pool().isolation == "limits"
+  sandbox._warn_degraded.cache_clear()
+  with pytest.warns(RuntimeWarning, match=r"isolation='auto' runs on resource limits"):
+    fn = components.sandboxed(rewards.get("code_tests"), SandboxConfig(isolation="auto", cpu_s=1))
+  assert fn.limits.cpu_s == 1 and fn.pool().isolation == "limits" and fn.isolation == "limits"
   fn.close()
