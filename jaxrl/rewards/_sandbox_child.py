@@ -142,14 +142,17 @@ def _resolve(path) -> str | None:
   return os.path.realpath(os.path.join(os.getcwd(), os.fsdecode(path)))
 
 
-def _inside(path, workdir: str) -> bool:
-  full = _resolve(path)
+def _within(full: str | None, workdir: str) -> bool:
   return full is not None and (full == workdir or full.startswith(workdir + os.sep))
 
 
-def _foreign_proc(path) -> bool:
-  """A /proc entry of another process (its environ, its cmdline, its fds...)."""
-  full = _resolve(path) if not isinstance(path, int) else None
+def _inside(path, workdir: str) -> bool:
+  return _within(_resolve(path), workdir)
+
+
+def _foreign_proc(full: str | None) -> bool:
+  """Whether the resolved path `full` is a /proc entry of another process (its environ, its
+  cmdline, its fds...)."""
   if full is None:
     return False
   parts = full.split(os.sep)
@@ -206,17 +209,17 @@ def _install_hook(workdir: str) -> None:
     elif event == "open" and args[0] is not None and not isinstance(args[0], int):
       # (An int is an fd already open, checked when it was opened.)
       path, mode, flags = args
+      full = _resolve(path)  # once: every read of the program's imports passes here
       writes = (mode is not None and any(c in mode for c in "wax+")) or (flags & _WRITE_FLAGS)
-      if writes and not _inside(path, workdir):
+      if writes and not _within(full, workdir):
         refuse(f"writing outside {workdir}", path)
       if writes and ".." in os.fsdecode(path).split(os.sep):
         # The event carries no dir_fd: a relative path is checked from the current directory,
         # which `..` could leave from the directory an fd names.
         refuse("writing through '..'", path)
-      if _foreign_proc(path):
+      if _foreign_proc(full):
         refuse("opening other processes' /proc entries", path)
-      full = _resolve(path)
-      if full is not None and os.path.isdir(full) and not _inside(full, workdir):
+      if full is not None and not _within(full, workdir) and os.path.isdir(full):
         # A directory fd outside would let os.open(..., dir_fd=fd) write where the event's
         # relative path says it does not (the event carries no dir_fd).
         refuse(f"opening a directory outside {workdir}", path)
