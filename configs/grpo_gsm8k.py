@@ -11,6 +11,12 @@ reward is `gsm8k` (final number after '####', in \\boxed{}, or the last number).
 family loads the same way (Llama 3, Qwen2/2.5, Qwen3, Gemma 3, Qwen3-MoE, Mixtral); the tokenizer
 and chat template come from the checkpoint directory.
 
+Precision: the learner computes in bfloat16 over float32 master weights and optimizer state
+(model.dtype / model.param_dtype; bfloat16 storage would round this config's 1e-6 updates away),
+and the sampler reads a bfloat16 copy of the matrices made once per step. Memory: every block is
+rematerialised on the backward pass and the log-prob head runs 1024 tokens at a time, so a step
+never holds the batch's [tokens x vocab] logits.
+
 Expected: the full config is sized for an accelerator (32 prompts x 8 samples x up to 512 new
 tokens per step) and has not been run yet (this project's machines are 2-core CPUs without model
 downloads): the held-out accuracy before RL is the checkpoint's own and should rise over the
@@ -37,7 +43,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.mesh = dict(data=1, fsdp=-1, tensor=1, rules="fsdp_tp")
   c.model = dict(
     preset="qwen2p5_0p5b_instruct", path="checkpoints/Qwen2.5-0.5B-Instruct", tokenizer="",
-    dtype="bfloat16", max_seq_len=0,
+    dtype="bfloat16", param_dtype="float32", max_seq_len=0, remat="full", scan_layers=True,
+    logits_chunk=1024,
   )  # fmt: skip
   c.task = dict(
     name="jsonl", path="data/gsm8k/train.jsonl", held_out_path="data/gsm8k/test.jsonl",
@@ -67,7 +74,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
 
   if arg == "smoke":
     c.workdir = "runs/grpo_gsm8k_smoke"
-    c.model = dict(preset="tiny", path="", tokenizer="byte", dtype="float32", max_seq_len=320)
+    c.model = dict(preset="tiny", path="", tokenizer="byte", dtype="float32", max_seq_len=320,
+                   remat="none", scan_layers=False, logits_chunk=0)  # fmt: skip
     c.task = dict(name="word_problems", num_problems=200, held_out_fraction=0.1,
                   prompt_template="Q: {prompt}\nA:", chat=False)  # fmt: skip
     c.sft = dict(steps=30, batch_size=16, learning_rate=3e-3, warmup_steps=5)

@@ -72,11 +72,43 @@ class MeshConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class MemoryConfig:
+  """What a device may hold (jaxrl.memory): before any weight is read the run prints its
+  estimate of each part per device, refuses a config that cannot fit, and can size the
+  engine's KV pages from what is left (rl.rollout.kv_fraction)."""
+
+  device_gb: float = _field(
+    0.0,
+    lo=0.0,
+    help="memory per device the run may use, in GiB; 0 = the device's own (an accelerator's "
+    "memory_stats bytes_limit; on a CPU the host's available memory over its devices)",
+  )
+  check: bool = _field(
+    True,
+    help="stop before the first step when the estimate exceeds device_gb, naming the parts "
+    "and what to change",
+  )
+
+
+@dataclasses.dataclass(frozen=True)
 class ModelSection:
   preset: str = _field("arith_small", help="a jaxrl.models.config preset; ignored with path")
   path: str = _field("", help="an HF checkpoint directory (config.json + safetensors)")
   tokenizer: str = _field("", help="'byte', an HF tokenizer directory, or '' = path or byte")
-  dtype: str = _field("float32", choices=("float32", "bfloat16"), help="weights and activations")
+  dtype: str = _field(
+    "float32",
+    choices=("float32", "bfloat16"),
+    help="the compute: activations and the operands of every matmul (the learner's, the "
+    "reference's and the sampler's); bfloat16 on accelerators",
+  )
+  param_dtype: str = _field(
+    "float32",
+    choices=("float32", "bfloat16"),
+    help="the stored weights, which the optimizer updates and which every forward casts to "
+    "dtype: float32 master weights train at RL learning rates; in bfloat16 an AdamW update "
+    "under ~1/256 of a weight rounds away (at 1e-6 almost no weight moves). With a lower "
+    "dtype the sampler reads a copy cast once per step",
+  )
   max_seq_len: int = _field(0, lo=0, help="override the preset's context length; 0 = keep")
   lora_rank: int = _field(0, lo=0, help="LoRA adapters of this rank (0 = full fine-tuning)")
   lora_alpha: float = _field(16.0, lo=0.0, lo_open=True, help="LoRA scale alpha / rank")
@@ -90,6 +122,15 @@ class ModelSection:
     "none",
     choices=REMAT_POLICIES,
     help="recompute each block's activations on the backward pass (jax.checkpoint policy)",
+  )
+  logits_chunk: int = _field(
+    0,
+    lo=0,
+    help="tokens per chunk of the learner's log-prob head (loss, reference and old log-probs, "
+    "entropy): each chunk's [tokens, vocab] float32 logits are made, used and remade on the "
+    "backward pass on their own, so the whole batch's never exist at once (same values and "
+    "gradients); 0 = all at once. Worth it where batch tokens x vocab x 4 bytes is a large "
+    "share of the device's memory",
   )
   attention_kernel: str = _field(
     "reference",
@@ -308,6 +349,7 @@ class Config:
   )
   resume: bool = _field(True, help="continue from the latest checkpoint in workdir if any")
   mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
+  memory: MemoryConfig = dataclasses.field(default_factory=MemoryConfig)
   model: ModelSection = dataclasses.field(default_factory=ModelSection)
   task: TaskConfig = dataclasses.field(default_factory=TaskConfig)
   reward: RewardConfig = dataclasses.field(default_factory=RewardConfig)

@@ -180,6 +180,14 @@ class RolloutConfig:
   slots: int = _field(0, lo=0, help="engine decode slots; 0 = every sample of a step at once")
   page_size: int = _field(16, lo=1, help="tokens per KV-cache page")
   num_pages: int = _field(0, lo=0, help="KV page budget; 0 = enough for every slot")
+  kv_fraction: float = _field(
+    0.0,
+    lo=0.0,
+    hi=1.0,
+    help="size the KV pages from memory instead (vLLM's memory utilisation): this fraction of "
+    "what a device has (memory.device_gb) after the learner's estimated state and step, at "
+    "most enough for every slot; 0 = num_pages",
+  )
   steps_per_call: int = _field(8, lo=1, help="decode steps per jitted engine call")
   prefill_batch_prompts: int = _field(
     0,

@@ -304,7 +304,7 @@ def test_complete_leaves_a_section_given_as_a_value_for_validate_to_report():
     (
       "rl.rollout.zzz",
       "unknown field config.rl.rollout.zzz; valid fields of config.rl.rollout: batching, env, "
-      "kv_dtype, learner_fake_quant, learner_fake_quant_part, max_turns, num_pages, "
+      "kv_dtype, kv_fraction, learner_fake_quant, learner_fake_quant_part, max_turns, num_pages, "
       "overlap_rewards, page_size, prefill_batch_prompts, quantize, routes, slots, "
       "steps_per_call, turn_tokens",
     ),

@@ -89,9 +89,12 @@ class ModelConfig:
   # How the learner's forward (no KV cache) runs the blocks; neither changes the params, their
   # per-layer layout or the sampler. scan_layers: one `jax.lax.scan` over the layers, so compile
   # time stays flat in depth (see `jaxrl.models.transformer.Transformer`). remat: a name from
-  # REMAT_POLICIES, applied to each block.
+  # REMAT_POLICIES, applied to each block. logits_chunk: tokens per chunk of the log-prob head
+  # (`token_logprobs`): the [tokens, V] logits are made, and remade on the backward pass, one
+  # chunk at a time; 0 makes the whole batch's at once.
   scan_layers: bool = False
   remat: str = "none"
+  logits_chunk: int = 0
   # Which implementation each kernel call site runs (jaxrl.kernels.KERNELS lists the choices):
   # the rollout engine's paged attention, the MoE experts' grouped matmul, a quantized
   # sampler's W8A8 projections. "reference" is pure jnp / XLA (every backend); "pallas_*" a
@@ -130,6 +133,12 @@ class ModelConfig:
       raise ValueError(f"model.scan_layers must be True or False, got {self.scan_layers!r}")
     if self.remat not in REMAT_POLICIES:
       raise ValueError(f"model.remat={self.remat!r}; allowed: {REMAT_POLICIES}")
+    chunk = self.logits_chunk
+    if not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < 0:
+      raise ValueError(
+        f"model.logits_chunk={chunk!r} must be an int >= 0 (tokens per chunk of the log-prob "
+        "head; 0: all tokens' logits at once)"
+      )
     for name, allowed in KERNELS.items():
       if getattr(self, name) not in allowed:
         raise ValueError(f"model.{name}={getattr(self, name)!r}; allowed: {allowed}")
@@ -303,7 +312,7 @@ class ModelConfig:
       tie_embeddings=True,
       max_seq_len=40_960,
       dtype="bfloat16",
-      param_dtype="bfloat16",
+      param_dtype="float32",  # master weights; compute in dtype
     )
 
   @classmethod
@@ -323,7 +332,7 @@ class ModelConfig:
       tie_embeddings=True,
       max_seq_len=131_072,
       dtype="bfloat16",
-      param_dtype="bfloat16",
+      param_dtype="float32",  # master weights; compute in dtype
     )
 
   @classmethod
@@ -343,7 +352,7 @@ class ModelConfig:
       tie_embeddings=True,
       max_seq_len=131_072,
       dtype="bfloat16",
-      param_dtype="bfloat16",
+      param_dtype="float32",  # master weights; compute in dtype
     )
 
   @classmethod
@@ -363,7 +372,7 @@ class ModelConfig:
       tie_embeddings=True,
       max_seq_len=32_768,
       dtype="bfloat16",
-      param_dtype="bfloat16",
+      param_dtype="float32",  # master weights; compute in dtype
     )
 
   @classmethod
@@ -383,7 +392,7 @@ class ModelConfig:
       tie_embeddings=True,
       max_seq_len=32_768,
       dtype="bfloat16",
-      param_dtype="bfloat16",
+      param_dtype="float32",  # master weights; compute in dtype
     )
 
   @classmethod
@@ -402,7 +411,7 @@ class ModelConfig:
       tie_embeddings=True,
       max_seq_len=40_960,
       dtype="bfloat16",
-      param_dtype="bfloat16",
+      param_dtype="float32",  # master weights; compute in dtype
     )
 
   @classmethod
@@ -421,7 +430,7 @@ class ModelConfig:
       tie_embeddings=False,
       max_seq_len=40_960,
       dtype="bfloat16",
-      param_dtype="bfloat16",
+      param_dtype="float32",  # master weights; compute in dtype
     )
 
   @classmethod
@@ -441,7 +450,7 @@ class ModelConfig:
       tie_embeddings=True,
       max_seq_len=32_768,
       dtype="bfloat16",
-      param_dtype="bfloat16",
+      param_dtype="float32",  # master weights; compute in dtype
       layer_types=sliding_layer_types(26, 6),
       sliding_window=512,
       rope_local_theta=10_000.0,
@@ -469,7 +478,7 @@ class ModelConfig:
       tie_embeddings=False,
       max_seq_len=40_960,
       dtype="bfloat16",
-      param_dtype="bfloat16",
+      param_dtype="float32",  # master weights; compute in dtype
       num_experts=128,
       experts_per_token=8,
       moe_mlp_dim=768,
@@ -492,7 +501,7 @@ class ModelConfig:
       tie_embeddings=False,
       max_seq_len=32_768,
       dtype="bfloat16",
-      param_dtype="bfloat16",
+      param_dtype="float32",  # master weights; compute in dtype
       num_experts=8,
       experts_per_token=2,
       moe_mlp_dim=14_336,

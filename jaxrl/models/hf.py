@@ -278,15 +278,20 @@ def hf_model_config(
   path: str | os.PathLike,
   *,
   dtype: str | None = None,
+  param_dtype: str | None = None,
   lora: Mapping[str, Any] | None = None,
   execution: Mapping[str, Any] | None = None,
 ) -> ModelConfig:
-  """The ModelConfig `load_hf_checkpoint(path, dtype=, lora=, execution=)` builds, from
-  config.json alone: no tensor is read, so a run can check it before loading any weight."""
-  return _read_config(Path(path), dtype=dtype, lora=lora, execution=execution)[0]
+  """The ModelConfig `load_hf_checkpoint(path, dtype=, param_dtype=, lora=, execution=)` builds,
+  from config.json alone: no tensor is read, so a run can check it before loading any weight."""
+  return _read_config(
+    Path(path), dtype=dtype, param_dtype=param_dtype, lora=lora, execution=execution
+  )[0]
 
 
-def _read_config(path: Path, *, dtype, lora, execution) -> tuple[ModelConfig, dict]:
+def _read_config(
+  path: Path, *, dtype, param_dtype=None, lora, execution
+) -> tuple[ModelConfig, dict]:
   try:
     hf_config = json.loads((path / "config.json").read_text())
   except FileNotFoundError as e:
@@ -296,6 +301,8 @@ def _read_config(path: Path, *, dtype, lora, execution) -> tuple[ModelConfig, di
   cfg = config_from_hf(hf_config)
   if dtype is not None:
     cfg = cfg.replace(dtype=dtype, param_dtype=dtype)
+  if param_dtype is not None:
+    cfg = cfg.replace(param_dtype=param_dtype)
   if lora:
     bad = sorted(set(lora) - {"lora_rank", "lora_alpha", "lora_targets"})
     if bad:
@@ -304,7 +311,7 @@ def _read_config(path: Path, *, dtype, lora, execution) -> tuple[ModelConfig, di
       )
     cfg = cfg.replace(**lora)
   if execution:
-    allowed = ("scan_layers", "remat", *KERNELS, "kernel_interpret")
+    allowed = ("scan_layers", "remat", "logits_chunk", *KERNELS, "kernel_interpret")
     bad = sorted(set(execution) - set(allowed))
     if bad:
       raise ValueError(f"load_hf_checkpoint execution= has {bad}; allowed: {allowed}")
@@ -318,6 +325,7 @@ def load_hf_checkpoint(
   mesh: jax.sharding.Mesh | None = None,
   rules: Rules | str | None = None,
   dtype: str | None = None,
+  param_dtype: str | None = None,
   lora: Mapping[str, Any] | None = None,
   lora_seed: int = 0,
   execution: Mapping[str, Any] | None = None,
@@ -327,17 +335,21 @@ def load_hf_checkpoint(
   With `mesh` and `rules` each device's block of a param is read from the file on its own
   (`jax.make_array_from_callback`; only the HF rows and columns under it, `read_block`), so no
   device, and no process of a multi-process run, holds or reads more of the model than its
-  devices keep. `dtype` overrides the checkpoint's param/compute dtype.
+  devices keep. `dtype` overrides the checkpoint's compute and storage dtype alike;
+  `param_dtype` then sets the storage alone: dtype="bfloat16", param_dtype="float32" reads a
+  bfloat16 checkpoint into float32 master weights that compute in bfloat16.
   `lora` ({"lora_rank": r, "lora_alpha": ..., "lora_targets": ...}, ModelConfig fields) adds
   fresh adapters to the loaded base: A drawn from `lora_seed`, B zero, so logits are the base's.
-  `execution` ({"scan_layers": ..., "remat": ..., and the kernel choices of
+  `execution` ({"scan_layers": ..., "remat": ..., "logits_chunk": ..., and the kernel choices of
   `jaxrl.kernels.KERNELS` with "kernel_interpret"}) sets how the forward runs; the params are the
   same either way.
   """
   path = Path(path)
   if (mesh is None) != (rules is None):
     raise ValueError("load_hf_checkpoint needs both mesh= and rules=, or neither")
-  cfg, hf_config = _read_config(path, dtype=dtype, lora=lora, execution=execution)
+  cfg, hf_config = _read_config(
+    path, dtype=dtype, param_dtype=param_dtype, lora=lora, execution=execution
+  )
   model_type = hf_config["model_type"]
   graphdef, abstract = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0))))
   plan = weight_plan(cfg, abstract, WEIGHT_MAPS[model_type])

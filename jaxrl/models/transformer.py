@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -149,15 +151,23 @@ class Transformer(nnx.Module):
     if logits_at is not None:
       x = jnp.take_along_axis(x, logits_at[:, None, None], axis=1)[:, 0]  # [B, D]
     x = self.final_norm(x)
+    new_cache = tuple(new_cache) if cache is not None else None
     if return_hidden:
-      return x, (tuple(new_cache) if cache is not None else None)
+      return x, new_cache
+    return self.head_logits(x), new_cache
+
+  def head_logits(self, x: jax.Array, axes: tuple[str, ...] | None = None) -> jax.Array:
+    """Final-normed hidden states [..., D] -> float32 logits [..., V], soft-capped.
+
+    `axes` names the logits' dims for their sharding constraint; by default the last of
+    ("batch", "length", "act_vocab").
+    """
     if self.head is None:
       logits = jnp.einsum("...D,VD->...V", x, self.embed[...].astype(x.dtype))
     else:
       logits = jnp.einsum("...D,DV->...V", x, self.head[...].astype(x.dtype))
-    logits = logical_constraint(logits, ("batch", "length", "act_vocab")[-logits.ndim :])
-    logits = softcap(logits.astype(jnp.float32), self.cfg.final_logit_softcap)
-    return logits, (tuple(new_cache) if cache is not None else None)
+    logits = logical_constraint(logits, axes or ("batch", "length", "act_vocab")[-logits.ndim :])
+    return softcap(logits.astype(jnp.float32), self.cfg.final_logit_softcap)
 
   def _blocks_without_cache(self, x, positions, kv_valid, routes=None):
     """The blocks of a cache-free forward, scanned and/or rematerialised (see the class doc)."""
@@ -279,10 +289,13 @@ def token_logprobs(
 
   tokens, valid: [B, T]. Returns logp [B, T] (column 0 is 0: nothing predicts it) and, if asked,
   the entropy [B, T] of the predictive distribution for each target. All in float32. `routes`
-  ([B, T, L, k], MoE only) replays recorded experts (`Transformer.__call__`).
+  ([B, T, L, k], MoE only) replays recorded experts (`Transformer.__call__`). With
+  `cfg.logits_chunk` the logits are made a chunk of tokens at a time (`chunked_logprobs`).
   """
-  logits, _ = apply(graphdef, params, tokens, positions_from_mask(valid), valid, routes=routes)
-  return _logprobs(logits, tokens, temperature, with_entropy)
+  model = nnx.merge(graphdef, params)
+  chunked = model.cfg.logits_chunk > 0
+  out, _ = model(tokens, positions_from_mask(valid), valid, routes=routes, return_hidden=chunked)
+  return _head_logprobs(model, out, tokens, temperature, with_entropy)
 
 
 def token_logprobs_and_routing(
@@ -292,10 +305,62 @@ def token_logprobs_and_routing(
   """`token_logprobs` plus the routing of every MoE layer (`apply_with_routing`'s dict, None for
   a dense model) from the same forward: what the MoE auxiliary losses and the routing-agreement
   metric read. With `routes` replayed, the dict still holds the router's own top k."""
-  logits, _, routing = apply_with_routing(
-    graphdef, params, tokens, positions_from_mask(valid), valid, routes=routes
+  model = nnx.merge(graphdef, params)
+  chunked = model.cfg.logits_chunk > 0
+  positions = positions_from_mask(valid)
+  out, _, routing = apply_with_routing(
+    graphdef, params, tokens, positions, valid, routes=routes, return_hidden=chunked
   )
-  return _logprobs(logits, tokens, temperature, with_entropy), routing
+  return _head_logprobs(model, out, tokens, temperature, with_entropy), routing
+
+
+def _head_logprobs(model: Transformer, out, tokens, temperature, with_entropy):
+  """`_logprobs` of the forward's output: logits [B, T, V], or with `cfg.logits_chunk` the
+  final-normed hidden states [B, T, D] that `chunked_logprobs` turns into logits chunk by chunk."""
+  chunk = model.cfg.logits_chunk
+  if not chunk:
+    return _logprobs(out, tokens, temperature, with_entropy)
+  return chunked_logprobs(model.head_logits, out, tokens, chunk, temperature, with_entropy)
+
+
+def chunked_logprobs(head, hidden, tokens, chunk: int, temperature=1.0, with_entropy=False):
+  """`_logprobs(head(hidden), tokens, ...)` without the [B, T-1, V] logits, forward or backward.
+
+  head: final-normed hidden [C, D] -> float32 logits [C, V] (`Transformer.head_logits`);
+  hidden: [B, T, D]; tokens: [B, T]. The B x (T-1) predicting positions are flattened into
+  tokens, padded to a multiple of `chunk` and run through one `jax.lax.scan` of `chunk` tokens
+  per step. Each step is a `jax.checkpoint`: the backward pass keeps only the chunk's hidden
+  states and remakes its logits, so at most one chunk's [C, V] logits (and their cotangent)
+  are alive. The head's weights are read inside the step, so their gradient is summed over
+  the chunks. Chunk j holds every n-th token from j (n chunks): under a mesh each chunk spreads
+  over the batch shards like the rows it comes from.
+  """
+  b, t, d = hidden.shape
+  num = b * (t - 1)
+  size = min(chunk, num)  # C
+  n = -(-num // size)
+  pad = n * size - num
+  h = jnp.pad(hidden[:, :-1].reshape(num, d), ((0, pad), (0, 0)))
+  y = jnp.pad(tokens[:, 1:].reshape(num), (0, pad))
+  h = logical_constraint(jnp.swapaxes(h.reshape(size, n, d), 0, 1), (None, "batch", "act_embed"))
+  y = jnp.swapaxes(y.reshape(size, n), 0, 1)  # [n, C]
+
+  @functools.partial(jax.checkpoint, prevent_cse=False)  # inside a scan: nothing to CSE across
+  def step(_, xs):
+    h, y = xs  # [C, D], [C]
+    logits = head(logical_constraint(h, ("batch", "act_embed")), ("batch", "act_vocab"))
+    logp_all = jax.nn.log_softmax(logits / temperature, axis=-1)  # [C, V]
+    logp = jnp.take_along_axis(logp_all, y[:, None], axis=-1)[:, 0]
+    ent = -jnp.sum(jnp.exp(logp_all) * logp_all, axis=-1) if with_entropy else None
+    return None, (logp, ent)
+
+  _, (logp, ent) = jax.lax.scan(step, None, (h, y))  # [n, C] each
+
+  def unchunk(x):  # [n, C] -> [B, T] with column 0 = 0
+    x = jnp.swapaxes(x, 0, 1).reshape(n * size)[:num].reshape(b, t - 1)
+    return jnp.pad(x, ((0, 0), (1, 0)))
+
+  return (unchunk(logp), unchunk(ent)) if with_entropy else unchunk(logp)
 
 
 def _logprobs(logits, tokens, temperature, with_entropy):

@@ -46,10 +46,12 @@ def lora_options(model: ModelSection) -> dict:
 
 
 def _execution(model: ModelSection) -> dict:
-  """How the forward runs (scan, remat, kernels): ModelConfig fields that leave params alone."""
+  """How the forward runs (scan, remat, logits chunks, kernels): ModelConfig fields that leave
+  params alone."""
   return dict(
     scan_layers=model.scan_layers,
     remat=model.remat,
+    logits_chunk=model.logits_chunk,
     **{name: getattr(model, name) for name in (*KERNELS, "kernel_interpret")},
   )
 
@@ -64,10 +66,15 @@ def model_config(model: ModelSection, tokenizer) -> ModelConfig:
       raise ConfigError(
         f"config.model.path={model.path!r} is not an HF checkpoint directory (no config.json)"
       )
-    # model.dtype sets weights and activations alike (a bf16 checkpoint trains in f32 on CPU).
+    # model.dtype is the compute, model.param_dtype the storage: a bfloat16 checkpoint is read
+    # into float32 master weights by default.
     try:
       cfg = hf_model_config(
-        model.path, dtype=model.dtype, lora=lora or None, execution=_execution(model)
+        model.path,
+        dtype=model.dtype,
+        param_dtype=model.param_dtype,
+        lora=lora or None,
+        execution=_execution(model),
       )
     except ValueError as e:
       raise ConfigError(f"config.model (path={model.path!r}): {e}") from e
@@ -77,7 +84,13 @@ def model_config(model: ModelSection, tokenizer) -> ModelConfig:
         f"vocab_size={cfg.vocab_size}"
       )
     return cfg
-  overrides = dict(vocab_size=tokenizer.vocab_size, dtype=model.dtype, **lora, **_execution(model))
+  overrides = dict(
+    vocab_size=tokenizer.vocab_size,
+    dtype=model.dtype,
+    param_dtype=model.param_dtype,
+    **lora,
+    **_execution(model),
+  )
   if model.max_seq_len:
     overrides["max_seq_len"] = model.max_seq_len
   try:
@@ -102,6 +115,7 @@ def build_model(
       mesh=mesh,
       rules=rules,
       dtype=model.dtype,
+      param_dtype=model.param_dtype,
       lora=lora_options(model) or None,
       lora_seed=seed,
       execution=_execution(model),
@@ -118,15 +132,8 @@ def _check_teacher_vocab(cfg: ModelConfig, student_cfg: ModelConfig) -> None:
     )
 
 
-def build_teacher(
-  teacher: TeacherConfig, student_cfg, mesh, rules: Rules
-) -> tuple[ModelConfig, nnx.GraphDef, nnx.State]:
-  """(ModelConfig, graphdef, params) of the distillation teacher on the student's mesh: an HF
-  checkpoint of any supported family (teacher.path), or a preset initialised from teacher.seed.
-
-  The teacher must speak the student's tokenizer: its vocabulary may only be larger (HF
-  checkpoints pad it), and the losses read its first student-vocab logits.
-  """
+def teacher_config(teacher: TeacherConfig, student_cfg) -> ModelConfig:
+  """The distillation teacher's ModelConfig, without its weights (config.json or the preset)."""
   if teacher.path:
     if not (Path(teacher.path) / "config.json").is_file():
       raise ConfigError(
@@ -137,7 +144,32 @@ def build_teacher(
       cfg = hf_model_config(teacher.path, dtype=teacher.dtype)
     except ValueError as e:
       raise ConfigError(f"config.distill.teacher (path={teacher.path!r}): {e}") from e
-    _check_teacher_vocab(cfg, student_cfg)  # from config.json, before any weight is read
+  else:
+    try:
+      # A frozen teacher stores its weights in its compute dtype: no master copy to update.
+      cfg = from_preset(
+        teacher.preset,
+        vocab_size=student_cfg.vocab_size,
+        dtype=teacher.dtype,
+        param_dtype=teacher.dtype,
+      )
+    except ValueError as e:
+      raise ConfigError(f"config.distill.teacher.preset: {e}") from e
+  _check_teacher_vocab(cfg, student_cfg)  # from config.json, before any weight is read
+  return cfg
+
+
+def build_teacher(
+  teacher: TeacherConfig, student_cfg, mesh, rules: Rules
+) -> tuple[ModelConfig, nnx.GraphDef, nnx.State]:
+  """(ModelConfig, graphdef, params) of the distillation teacher on the student's mesh: an HF
+  checkpoint of any supported family (teacher.path), or a preset initialised from teacher.seed.
+
+  The teacher must speak the student's tokenizer: its vocabulary may only be larger (HF
+  checkpoints pad it), and the losses read its first student-vocab logits.
+  """
+  cfg = teacher_config(teacher, student_cfg)
+  if teacher.path:
     try:
       cfg, graphdef, params = load_hf_checkpoint(
         teacher.path, mesh=mesh, rules=rules, dtype=teacher.dtype
@@ -145,11 +177,6 @@ def build_teacher(
     except ValueError as e:
       raise ConfigError(f"config.distill.teacher (path={teacher.path!r}): {e}") from e
   else:
-    try:
-      cfg = from_preset(teacher.preset, vocab_size=student_cfg.vocab_size, dtype=teacher.dtype)
-    except ValueError as e:
-      raise ConfigError(f"config.distill.teacher.preset: {e}") from e
-    _check_teacher_vocab(cfg, student_cfg)
     graphdef, params = make_model(cfg, seed=teacher.seed)
     params = shard_params(params, mesh, rules)
   return cfg, graphdef, params

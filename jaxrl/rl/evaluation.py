@@ -37,11 +37,15 @@ def pass_at_ks(correct: np.ndarray) -> dict[int, float]:
 class Evaluator:
   """`evaluator(params) -> {"eval/...": float}` on the run's held-out records."""
 
-  def __init__(self, run: Run, sampler: Sampler):
-    self.run, self.sampler = run, sampler
+  def __init__(self, run: Run, sampler: Sampler, *, view=None):
+    # `view(params)`: what the sampler reads (`ComputeCast.view`: the matrices in the compute
+    # dtype, as the rounds' sampler reads them, so evaluation runs the same engine programs).
+    self.run, self.sampler, self.view = run, sampler, view
 
   def __call__(self, params) -> dict[str, float]:
     run = self.run
+    if self.view is not None:
+      params = self.view(params)
     recs = run.held_out
     prompts = run.encode(recs)
     # Every held-out prompt at once: the driver queues what does not fit the slots.

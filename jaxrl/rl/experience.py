@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxrl.models.precision import ComputeCast
 from jaxrl.models.transformer import token_logprobs
 from jaxrl.quant import Quantizer
 from jaxrl.rl.advantages import ESTIMATORS, group_advantages
@@ -58,7 +59,8 @@ def build_sampler(run: Run, mesh=None) -> GroupSampler:
     pad_id=run.tokenizer.pad_id,
     sampling=SamplingParams(rl.sampling.temperature, rl.sampling.top_k, rl.sampling.top_p),
     max_concurrent_decodes=ro.slots or max(groups * rl.group_size, cfg.eval.num_examples),
-    num_pages=ro.num_pages or None,
+    # rl.rollout.kv_fraction: the pages the memory estimate sized from the device's budget.
+    num_pages=(run.memory.kv_pages if ro.kv_fraction else ro.num_pages) or None,
     page_size=ro.page_size,
     steps_per_call=ro.steps_per_call,
     batching=ro.batching,
@@ -157,9 +159,14 @@ class Experience:
   shaping, and where the advantages come from (the group estimator, the critic, or the
   distillation teacher's scores)."""
 
-  def __init__(self, run: Run, sampler: GroupSampler, *, critic=None, teacher=None):
+  def __init__(
+    self, run: Run, sampler: GroupSampler, *, critic=None, teacher=None, cast=None
+  ):  # fmt: skip
     self.run, self.sampler = run, sampler
     self.critic, self.teacher = critic, teacher
+    # Master weights stored above the compute dtype: the sampler reads a copy cast once per
+    # policy version (the same forward, half the bytes); else the learner's own arrays.
+    self.cast = ComputeCast(run.model_cfg) if cast is None else cast
     rl = run.cfg.rl
     self.advantage_fn = None if critic is not None else ESTIMATORS.get(rl.advantage)
     # Quantize-on-sync: int8 copies of the projection weights, made once per step and shared by
@@ -195,9 +202,11 @@ class Experience:
 
   def sampler_params(self, params) -> nnx.State:
     """What the sampler reads for the learner's `params`: the very same pytree (no copy, no
-    sync), or with rl.rollout.quantize its quantized copy (made once per policy version, by
-    the caller: `collect` or the rollout pipeline's publish)."""
-    return params if self.quantize is None else self.quantize(params)
+    sync), or with rl.rollout.quantize its quantized copy, and with master weights stored
+    above the compute dtype (model.param_dtype) the rest of the matrices cast to it (made once
+    per policy version, by the caller: `collect` or the rollout pipeline's publish)."""
+    view = params if self.quantize is None else self.quantize(params)
+    return self.cast.view(view)
 
   def sample(
     self, step: int, rnd: int, params, records, *, version: int | None = None, kinds=None

@@ -31,14 +31,15 @@ import time
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxrl import memory
 from jaxrl.config import Config, ConfigError
 from jaxrl.mesh import use_mesh
 from jaxrl.metrics import MetricsWriter, Progress, plot_curves
 from jaxrl.models.lora import split_lora
+from jaxrl.models.precision import ComputeCast
 from jaxrl.preemption import Preempted, StopRequest
 from jaxrl.rewards import sandbox
 from jaxrl.rl import components
@@ -77,8 +78,13 @@ class Trainer:
     self.cfg, self.log = cfg, log
     self.ctx = run = Run.build(cfg)
     self.workdir = run.workdir
+    if jax.process_index() == 0:  # before any weight is used: what each device will hold
+      log(f"[jaxrl] memory per device, estimated:\n{run.memory.table()}")
     self.sampler = build_sampler(run)  # evaluation's, and the rounds' when colocated
-    self.evaluate = Evaluator(run, self.sampler)
+    # model.param_dtype above model.dtype: readers that never update the weights (the sampler,
+    # evaluation, the KL reference) hold a copy with the matrices in the compute dtype.
+    self.cast = ComputeCast(run.model_cfg)
+    self.evaluate = Evaluator(run, self.sampler, view=self.cast.view)
     self.metrics = MetricsWriter(
       run.workdir,
       use_tensorboard=cfg.log.tensorboard,
@@ -105,7 +111,9 @@ class Trainer:
     rounds = self.sampler if run.sampler_mesh is None else build_sampler(run, run.sampler_mesh)
     if run.sampler_mesh is not None and jax.process_count() > 1:
       rounds = ProcessShare(rounds)  # each process's engine samples its share of the prompts
-    self.experience = Experience(run, rounds, critic=self.learner.critic, teacher=self.teacher)
+    self.experience = Experience(
+      run, rounds, critic=self.learner.critic, teacher=self.teacher, cast=self.cast
+    )
     self.pipeline = RolloutPipeline(run, self.experience, steps=cfg.rl.steps)
     self.rl_ckpt = run.checkpointer("rl")
     self.base_key = jax.random.key(cfg.seed)
@@ -140,7 +148,7 @@ class Trainer:
     if rl.kl.beta > 0:
       # Frozen before the first step donates the warm-started buffers; the learner moves on.
       frozen = split_lora(self.sft_params)[0] if self.learner.trainable else self.sft_params
-      self.ref_params = jax.tree.map(jnp.copy, frozen)
+      self.ref_params = self.cast.copy(frozen)  # matrices in the compute dtype: same logits
     it = iter(self.ctx.rl_stream())
     start, queued = 0, []
     found = None
@@ -238,6 +246,10 @@ class Trainer:
         )
     self.summary["rl_nonfinite_updates"] = skipped
     m.update(pipeline_m)
+    if self.cast.active:  # the sampler's copy of the master weights in the compute dtype
+      m.update(
+        {"sync/cast_calls": float(self.cast.calls), "sync/cast_mb": self.cast.last_bytes / 2**20}
+      )
     m.update({"time/rollout_s": t1 - t0, "time/train_s": time.perf_counter() - t1})
     self._count_staleness(step, rolled)
     return m
@@ -295,6 +307,8 @@ class Trainer:
     self.metrics.flush()
     if "accuracy_after_rl" in self.summary and jax.process_index() == 0:  # one writer
       self.summary["wall_s"] = time.perf_counter() - t0
+      # The estimate beside what was measured (peak RSS on a CPU, peak device bytes elsewhere).
+      self.summary["memory"] = {**self.ctx.memory.as_dict(), **memory.peak_bytes()}
       if (isolation := _sandbox_isolation(self.cfg, self.ctx.reward_fn)) is not None:
         self.summary["sandbox_isolation"] = isolation  # what fenced model-written code here
       (self.workdir / "summary.json").write_text(json.dumps(self.summary, indent=2))

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import tempfile
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -20,10 +21,11 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxrl import distributed, rewards
+from jaxrl import distributed, memory, rewards
 from jaxrl.checkpoint import Checkpointer
 from jaxrl.config import Config, ConfigError
 from jaxrl.data.stream import draw_pool, pooled_batches
+from jaxrl.memory import MemoryEstimate
 from jaxrl.mesh import Rules, get_rules, make_mesh, named_sharding, split_devices
 from jaxrl.models.config import ModelConfig
 from jaxrl.rewards.pool import RewardPool
@@ -56,6 +58,8 @@ class Run:
   prompt_pool: list[dict] | None = None
   # reward.timeout_s > 0: the worker processes rewards are scored in; else None.
   reward_pool: RewardPool | None = None
+  # What a device holds, estimated before the weights (jaxrl.memory), and its budget.
+  memory: MemoryEstimate | None = None
 
   @classmethod
   def build(cls, cfg: Config, *, writes: bool = True) -> Run:
@@ -152,6 +156,21 @@ class Run:
           f"config.rl.rollout.routes={rl.rollout.routes!r} is invalid; allowed: 'none' for a "
           "dense model (this model has no MoE layers to route)"
         )
+    # What each device will hold, before any weight: a config that cannot fit stops here.
+    teacher_cfg = None
+    if cfg.distill.enabled:
+      teacher_cfg = components.teacher_config(cfg.distill.teacher, model_cfg)
+    estimate = memory.estimate(cfg, model_cfg, mesh, rules, teacher_cfg=teacher_cfg)
+    if cfg.memory.check:
+      memory.check(estimate)
+    if model_cfg.param_dtype != "float32" and (cfg.sft.steps or rl.steps):
+      warnings.warn(
+        f"config.model.param_dtype={model_cfg.param_dtype!r}: the optimizer updates "
+        f"{model_cfg.param_dtype} weights, and an update under ~1/256 of a weight rounds away "
+        f"(at rl.optim.learning_rate={rl.optim.learning_rate} most weights never move); "
+        "param_dtype='float32' keeps float32 master weights and computes in model.dtype",
+        stacklevel=2,
+      )
     reward_pool = None
     if cfg.reward.timeout_s > 0:
       try:
@@ -183,6 +202,7 @@ class Run:
       batch_sharding=named_sharding(mesh, ("batch",), rules),
       sampler_mesh=sampler_mesh,
       prompt_pool=pool,
+      memory=estimate,
     )
 
   def rl_stream(self):

@@ -71,7 +71,8 @@ def test_qwen3_1p7b_non_embedding_count_matches_model_card():
 def test_dense_preset_flags(name, tied, qkv_bias, qk_norm):
   cfg = PRESETS[name]()
   assert (cfg.tie_embeddings, cfg.qkv_bias, cfg.qk_norm) == (tied, qkv_bias, qk_norm)
-  assert cfg.dtype == cfg.param_dtype == "bfloat16"
+  # bfloat16 compute over float32 master weights: the optimizer's updates are not rounded away.
+  assert (cfg.dtype, cfg.param_dtype) == ("bfloat16", "float32")
 
 
 def test_llama3p2_3b_rope_scaling_matches_1b():
