@@ -520,6 +520,21 @@ _run_entry(
   rl={"max_new_tokens": 3},
 )
 
+_run_entry(
+  "memory",
+  "a run that cannot fit its devices",
+  "per device, more than the 1.02 MiB it has (memory.device_gb, or the device's own):",
+  memory={"device_gb": 0.001},
+)
+_run_entry(
+  "memory",
+  "KV pages sized from a budget with no room for one sequence",
+  "pages of 7.00 KiB, fewer than one sequence of 14 tokens needs (1); raise kv_fraction or "
+  "memory.device_gb",
+  memory={"device_gb": 0.0062},
+  rl={"rollout": {"kv_fraction": 0.01}},
+)
+
 
 def _long_training_prompts(tmp: Path) -> dict:
   """A JSONL task whose held-out file's prompts fit the smoke's 8-token bucket, and whose

@@ -116,7 +116,7 @@ def test_bfloat16_compute_over_float32_masters_trains_like_float32_at_lr_1e6():
 
 
 def test_mixed_loss_and_gradient_within_stated_bounds_of_float32():
-  """The bounds docs/precision.md states: on the tiny model the bfloat16-compute policy loss is
+  """The bounds docs/design.md states: on the tiny model the bfloat16-compute policy loss is
   within 0.5% of the float32 one and its gradient within 3% (relative L2 error), cosine > 0.999
   (measured: 0.03%, 0.84%, 0.99996)."""
   cfg32, graphdef32, params = _model("float32", "float32")
