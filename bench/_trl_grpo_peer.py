@@ -18,6 +18,9 @@ and constant schedule, then answers one JSON line per command read from stdin:
 
 Each answer holds the call's own seconds (the pipe is not timed). torch float32 on CPU, all
 cores (torch.set_num_threads(request threads)). Standalone: this venv has TRL, not jaxrl.
+bench/device_rehearsal.py runs it on a GPU with the optional request keys `use_cpu` (default
+true), `bf16` (autocast over the float32 weights; default false) and `gradient_checkpointing`
+(default false); its train answers then carry the CUDA peak bytes.
 """
 
 from __future__ import annotations
@@ -95,13 +98,15 @@ def main(request_path: str) -> None:
     lr_scheduler_type="constant",
     warmup_steps=0,
     max_steps=10**6,
-    use_cpu=True,
-    bf16=False,
+    use_cpu=req.get("use_cpu", True),
+    bf16=req.get("bf16", False),
     fp16=False,
     report_to="none",
     logging_steps=10**6,
     save_strategy="no",
     seed=0,
+    # Only when asked: newer transformers warn that the argument is deprecated.
+    **({"gradient_checkpointing": True} if req.get("gradient_checkpointing") else {}),
   )
   trainer = GRPOTrainer(
     model=model,
@@ -114,6 +119,8 @@ def main(request_path: str) -> None:
   trainer.current_gradient_accumulation_steps = 1  # what Trainer's loop sets before its steps
   model = trainer.model
   model.train()
+  device = trainer.accelerator.device
+  rows, completions, advantages = rows.to(device), completions.to(device), advantages.to(device)
   ref_model = trainer.ref_model
   steps = 0
 
@@ -176,6 +183,9 @@ def main(request_path: str) -> None:
     elif command in ("train", "full"):
       t0 = time.perf_counter()
       extra = (train_step if command == "train" else full_step)()
+      if torch.cuda.is_available():
+        torch.cuda.synchronize()  # the step's kernels are queued, not done, when it returns
+        extra["cuda_peak_bytes"] = torch.cuda.max_memory_allocated()
       seconds = time.perf_counter() - t0
       answer({"seconds": seconds, "steps": steps, **extra})
     elif command == "quit":

@@ -298,6 +298,14 @@ def _largest_divisor(n: int, cap: int) -> int:
   return max(d for d in range(1, min(n, cap) + 1) if n % d == 0)
 
 
+def _gpu_blocks(pages: int) -> tuple[int, int]:
+  """(k_splits, pages per compute block) for `pages` page-table columns: Triton's block shapes
+  must be powers of two, so the block is the largest power of two (at most 8) dividing the
+  pages, and the splits (at most 16) divide what is left (48 pages: 8 per block, 6 splits)."""
+  per_block = min(pages & -pages, 8)
+  return _largest_divisor(pages // per_block, 16), per_block
+
+
 def paged_attention_gpu(
   q: jax.Array,
   cache: PagedKV,
@@ -318,8 +326,7 @@ def paged_attention_gpu(
   if t != 1:
     raise ValueError(f"paged_attention_gpu decodes one position per row, got T={t}")
   m = cache.page_table.shape[1]
-  k_splits = _largest_divisor(m, 16)
-  per_block = _largest_divisor(m // k_splits, 8)
+  k_splits, per_block = _gpu_blocks(m)
   scales = None
   if jnp.dtype(cache.k_pages.dtype).itemsize == 1:
     scales = jnp.ones(cache.k_pages.shape[:3], jnp.float32)

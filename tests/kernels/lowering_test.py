@@ -175,6 +175,9 @@ def test_grouped_matmul_value_and_gradient_lower_with_the_kernel_forward(platfor
 # (B, T, query heads, kv heads, head dim, pages, page size, pages per sequence)
 DECODE = (64, 1, 32, 8, 128, 1024, 16, 16)  # 64 slots of up to 256 keys, Llama-3.2-1B's heads
 ODD = (3, 1, 4, 2, 16, 9, 4, 3)
+# 48 pages per sequence (256 + 512 positions in 16-token pages): Triton's blocks must be powers
+# of two, and 48 / 16 splits would leave blocks of 3 pages.
+RL_768 = (8, 1, 16, 8, 128, 384, 16, 48)
 
 
 def _paged_args(b, t, n, kh, h, p, ps, mp, page_dtype):
@@ -196,7 +199,9 @@ def _paged(impl, scaled, **kw):
 
 @pytest.mark.parametrize("platform", list(PLATFORMS))
 @pytest.mark.parametrize(
-  "shape,page_dtype", [(DECODE, BF16), (DECODE, E4M3), (ODD, F32)], ids=["bf16", "fp8", "odd"]
+  "shape,page_dtype",
+  [(DECODE, BF16), (DECODE, E4M3), (ODD, F32), (RL_768, BF16)],
+  ids=["bf16", "fp8", "odd", "48pages"],
 )
 def test_paged_decode_attention_lowers_to_one_kernel(shape, page_dtype, platform):
   impl, _ = PLATFORMS[platform]

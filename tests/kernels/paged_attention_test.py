@@ -6,7 +6,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from jaxrl.kernels.paged_attention import PagedKV, paged_attention, write_kv
+from jaxrl.kernels.paged_attention import PagedKV, _gpu_blocks, paged_attention, write_kv
 from jaxrl.models.layers import dot_attention
 
 P, PS, K, N, H, M = 23, 4, 2, 6, 14, 5  # pages, page size, kv heads, q heads, head dim, table width
@@ -246,3 +246,13 @@ def test_write_kv_quantizes_fp8_pages_by_their_scales_and_saturates():
   ok = np.abs(k) < 448 * np.asarray(scale)[None, None, :, None] * 0.99
   big = ok & (np.abs(k) > 2**-6 * np.asarray(scale)[None, None, :, None])  # e4m3 normals
   np.testing.assert_array_less(np.abs(back - k)[big], np.abs(k)[big] * 2**-4 + 1e-9)
+
+
+@pytest.mark.parametrize(
+  "pages, want", [(48, (6, 8)), (3, (3, 1)), (16, (2, 8)), (64, (8, 8)), (12, (3, 4)), (1, (1, 1))]
+)
+def test_triton_blocks_are_powers_of_two_and_tile_the_page_table(pages, want):
+  splits, per_block = _gpu_blocks(pages)
+  assert (splits, per_block) == want
+  assert per_block & (per_block - 1) == 0 and splits * per_block <= pages
+  assert (pages // per_block) % splits == 0 and splits <= 16
