@@ -202,6 +202,9 @@ def estimate(
   tokens = rows_dev * length
   parts["activations"] = _activations(model_cfg, tokens, length)
   notes["activations"] = f"remat={model_cfg.remat}, {rows_dev} x {length} tokens per micro-batch"
+  if model_cfg.remat != "none":
+    plain = _activations(model_cfg.replace(remat="none"), tokens, length)
+    notes["activations"] += f" (without remat: {_gib(plain)})"
   chunk = model_cfg.logits_chunk
   logit_tokens = min(chunk, tokens) if chunk else tokens
   parts["logits"] = _LOGIT_BUFFERS * logit_tokens * model_cfg.vocab_size * 4

@@ -34,7 +34,9 @@ _QWEN3_DEFAULT_HEAD_DIM = 128
 
 
 def config_from_hf(hf: Mapping[str, Any]) -> ModelConfig:
-  """A validated ModelConfig from an HF config.json dict (qwen3, qwen2 or llama)."""
+  """A validated ModelConfig from an HF config.json dict (qwen3, qwen2 or llama). Its dtype and
+  param_dtype are the checkpoint's own (a run's config.model.param_dtype, float32 by default,
+  then keeps float32 master weights)."""
   model_type = hf.get("model_type")
   if model_type not in FAMILIES:
     raise ValueError(f"hf config model_type={model_type!r} is not supported; allowed: {FAMILIES}")

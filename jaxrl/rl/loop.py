@@ -222,7 +222,7 @@ class Trainer:
   def rl_step(self, step: int) -> dict:
     """Take batch `step`'s rollouts, update, publish the new policy version, and fetch the
     step's metrics from the device once."""
-    t0 = time.perf_counter()
+    t0, casts_before = time.perf_counter(), self.cast.calls
     rolled, pipeline_m = self.pipeline.get(step)
     batch, rollout_m = self.experience.batch(
       step,
@@ -247,9 +247,8 @@ class Trainer:
     self.summary["rl_nonfinite_updates"] = skipped
     m.update(pipeline_m)
     if self.cast.active:  # the sampler's copy of the master weights in the compute dtype
-      m.update(
-        {"sync/cast_calls": float(self.cast.calls), "sync/cast_mb": self.cast.last_bytes / 2**20}
-      )
+      casts = self.cast.calls - casts_before  # this step's (a resumed run repeats them)
+      m.update({"sync/casts": float(casts), "sync/cast_mb": self.cast.last_bytes / 2**20})
     m.update({"time/rollout_s": t1 - t0, "time/train_s": time.perf_counter() - t1})
     self._count_staleness(step, rolled)
     return m
