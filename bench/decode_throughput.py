@@ -191,10 +191,12 @@ def _int8(run: Callable[[Workload], Peer]) -> Callable[[Workload], Peer]:
 def run_hf(w: Workload) -> Peer:
   """HF transformers `generate` on torch CPU: float32, eval mode, inference_mode, KV cache on."""
   import torch
-  from transformers import Qwen3ForCausalLM
+  from transformers import AutoModelForCausalLM
 
   torch.set_num_threads(w.torch_threads)
-  model = Qwen3ForCausalLM.from_pretrained(w.checkpoint, dtype=torch.float32).eval()
+  # The checkpoint's own class (Qwen3ForCausalLM for the benchmark models; scale_rehearsal.py
+  # also times Llama and Gemma checkpoints).
+  model = AutoModelForCausalLM.from_pretrained(w.checkpoint, dtype=torch.float32).eval()
   ids = torch.as_tensor(w.prompts, dtype=torch.long)
   attn = torch.ones_like(ids)
   n = w.new_tokens

@@ -198,6 +198,10 @@ def make_train_step(
       (g, aux), _ = jax.lax.scan(body, init, micro_batches)
     grads = jax.tree.map(lambda x: x.astype(jnp.float32) / denom, g)
     updates, opt_state = optimizer.update(grads, state.opt_state, trained)
+    # The moments keep the dtype they were made in (the params'): float32 gradients would
+    # otherwise promote bfloat16 moments after the first update, and the next step would meet
+    # a state of another type (a second compile, and a resume restoring the first type).
+    opt_state = jax.tree.map(lambda new, old: new.astype(old.dtype), opt_state, state.opt_state)
     new_trained = optax.apply_updates(trained, updates)
     # The gradient's and the update's norms are finite iff every element is (or they overflow:
     # a gradient too large to square in float32 is skipped as well).

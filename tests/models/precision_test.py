@@ -171,3 +171,18 @@ def test_compute_view_copy_and_the_inactive_case():
     np.testing.assert_array_equal(np.asarray(a.astype(b.dtype)), np.asarray(b))
   same = ComputeCast(cfg.replace(dtype="float32"))
   assert not same.active and same.view(params) is params and same.calls == 0
+
+
+def test_bfloat16_storage_keeps_its_moments_dtype_and_one_program():
+  """float32 gradients must not promote bfloat16 AdamW moments after the first update: the next
+  step would compile again, and a resume would restore the moments in another dtype."""
+  cfg, graphdef, params = _model("bfloat16", "bfloat16")
+  opt = _adamw_1e6()
+  step = make_train_step(opt, PolicyLoss(graphdef), donate=False)
+  state = init_state(params, opt)
+  before = [x.dtype for x in jax.tree.leaves(state.opt_state)]
+  for i in range(3):
+    state, _ = step(state, _batch(cfg, seed=i))
+  assert [x.dtype for x in jax.tree.leaves(state.opt_state)] == before
+  assert jnp.dtype(jnp.bfloat16) in before
+  assert step._cache_size() == 1
