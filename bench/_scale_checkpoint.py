@@ -112,7 +112,7 @@ class Arch:
 
 
 _SMOKE = dict(
-  vocab_size=600,
+  vocab_size=2048,  # past what the smoke corpus merges to: padded rows, as at full size
   num_hidden_layers=2,
   hidden_size=64,
   num_attention_heads=4,

@@ -250,11 +250,16 @@ class HFTokenizer:
 
   def decode(self, ids: Sequence[int], *, skip_special: bool = True) -> str:
     """Text of `ids`. With `skip_special`, stops at the first of `eos_ids` (like ByteTokenizer)
-    and drops the remaining special tokens; otherwise decodes every id, specials included."""
+    and drops the remaining special tokens; otherwise decodes every id, specials included.
+
+    Ids at or above `vocab_size` have no text and are dropped, as transformers drops them: a
+    checkpoint's embedding is often padded past its tokenizer (Qwen3: 151,936 rows for 151,669
+    tokens), and a sampler can draw those rows. A negative id is an error."""
     ids = [int(i) for i in ids]
     for i in ids:
-      if not 0 <= i < self.vocab_size:
+      if i < 0:
         raise ValueError(f"token {i} is outside the vocabulary [0, {self.vocab_size})")
+    ids = [i for i in ids if i < self.vocab_size]
     if skip_special:
       stops = [n for n, i in enumerate(ids) if i in self.eos_ids]
       ids = ids[: stops[0]] if stops else ids
