@@ -51,6 +51,9 @@ CONFIG = "configs/grpo_gsm8k.py"
 # backward pass and the blocks run as one scan (compile time flat in depth).
 PRECISION = ["model.dtype=bfloat16", "model.param_dtype=float32", "model.logits_chunk=1024"]
 EXECUTION = ["model.remat=full", "model.scan_layers=True"]
+# Checkpoints written before the next step: an asynchronous write's host copy of the state
+# (6.7 GiB at 0.6B) beside a step's working set does not fit 24 GiB (the run's estimate says so).
+CHECKPOINTS = ["checkpoint.async_save=False"]
 # Step counts and batch sizes: (full size, --smoke). Each is also a flag.
 SIZES = {
   "train_problems": (1000, 200),
@@ -285,6 +288,7 @@ def train_overrides(ckpt: Path, data: dict, sizes: dict, max_prompt_len: int, se
     "log.tensorboard=False",
     *PRECISION,
     *EXECUTION,
+    *CHECKPOINTS,
   ]
 
 
@@ -743,7 +747,7 @@ def main(argv=None) -> dict:
     "shape": ck.ARCHS[args.arch].smoke if args.smoke else ck.ARCHS[args.arch].full,
     "sizes": sizes,
     "precision": PRECISION,
-    "execution": EXECUTION,
+    "execution": EXECUTION + CHECKPOINTS,
     "config": CONFIG,
     "compilation_cache": env["JAX_COMPILATION_CACHE_DIR"],
     "workdir": str(work) if tmp is None or args.keep else None,

@@ -304,6 +304,12 @@ class EvalConfig:
 class CheckpointConfig:
   every: int = _field(25, lo=1, help="steps between checkpoints (the last step is always saved)")
   max_to_keep: int = _field(2, lo=1, help="newest checkpoints kept per phase")
+  async_save: bool = _field(
+    True,
+    help="write checkpoints in the background: training goes on while a host copy of the "
+    "state (params and optimizer) is written; False writes before the next step, so that "
+    "copy never sits beside a step's working set (where memory is tight)",
+  )
 
 
 @dataclasses.dataclass(frozen=True)

@@ -173,6 +173,14 @@ def estimate(
   parts["gradients"] = trained * 4 + (trained * p_item if micro > 1 else 0)
   parts["optimizer"] = 2 * trained * p_item
   notes["optimizer"] = "AdamW's two moments" + (" (LoRA adapters)" if lora else "")
+  # Inside the update: the float32 update, and one new tree beside the old params and moments
+  # (a non-finite update keeps the old ones). XLA's memory analysis of a Qwen3-0.6B step in
+  # float32 masters: 8.9 GiB of temporaries = gradients + these two trees + logits + the rest.
+  parts["update"] = trained * 4 + trained * p_item
+  notes["update"] = "the update, and a new tree beside the old"
+  if cfg.checkpoint.async_save:
+    parts["checkpoint copy"] = elements * p_item + 2 * trained * p_item
+    notes["checkpoint copy"] = "host copy of the state while it is written (async_save)"
   cast = model_cfg.param_dtype != model_cfg.dtype
   if rl.kl.beta > 0:
     if lora:

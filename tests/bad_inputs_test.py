@@ -531,7 +531,7 @@ _run_entry(
   "KV pages sized from a budget with no room for one sequence",
   "pages of 7.00 KiB, fewer than one sequence of 14 tokens needs (1); raise kv_fraction or "
   "memory.device_gb",
-  memory={"device_gb": 0.0062},
+  memory={"device_gb": 0.0072},
   rl={"rollout": {"kv_fraction": 0.01}},
 )
 

@@ -41,6 +41,10 @@ def test_parts_by_hand_on_one_device(tmp_path):
   assert est.parts["gradients"] == 4 * n  # float32 accumulators, one micro-batch
   assert est.parts["optimizer"] == 2 * 4 * n  # AdamW's two float32 moments
   assert est.parts["reference"] == 4 * n  # float32 compute: the copy keeps float32
+  assert est.parts["update"] == 2 * 4 * n  # the update and one new tree beside the old
+  assert est.parts["checkpoint copy"] == 3 * 4 * n  # params and moments, written in the background
+  sync = smoke_config(tmp_path, rl={"kl": {"beta": 0.05}}, checkpoint={"async_save": False})
+  assert "checkpoint copy" not in _estimate(sync)[1].parts
   assert "sampler copy" not in est.parts  # the sampler reads the learner's own arrays
   rl = cfg.rl
   length = rl.max_prompt_len + rl.max_new_tokens
@@ -115,18 +119,18 @@ def test_a_config_that_cannot_fit_stops_before_any_weight(tmp_path, monkeypatch)
 
 
 def test_kv_pages_from_a_fraction_of_what_is_left(tmp_path):
-  cfg = smoke_config(tmp_path, memory={"device_gb": 0.006}, rl={"rollout": {"kv_fraction": 0.5}})
+  cfg = smoke_config(tmp_path, memory={"device_gb": 0.0075}, rl={"rollout": {"kv_fraction": 0.5}})
   model_cfg, est = _estimate(cfg)
   rest = sum(b for name, b in est.parts.items() if name != "kv pages")
   rl = cfg.rl
   page_bytes = rl.rollout.page_size * model_cfg.num_layers * 2 * model_cfg.num_kv_heads
   page_bytes *= model_cfg.head_dim * 4
-  want = math.floor(0.5 * (int(0.006 * 2**30) - rest)) // page_bytes
+  want = math.floor(0.5 * (int(0.0075 * 2**30) - rest)) // page_bytes
   all_slots = 64 * pages_for(rl.max_prompt_len + rl.max_new_tokens, rl.rollout.page_size)
   assert est.kv_pages == min(want, all_slots) and 0 < est.kv_pages < all_slots
   # Too little left for one sequence: a clear error.
   tight = smoke_config(
-    tmp_path, memory={"device_gb": 0.0062}, rl={"rollout": {"kv_fraction": 0.01}}
+    tmp_path, memory={"device_gb": 0.0072}, rl={"rollout": {"kv_fraction": 0.01}}
   )
   with pytest.raises(ConfigError, match="fewer than one sequence"):
     _estimate(tight)
@@ -136,7 +140,7 @@ def test_kv_pages_from_a_fraction_of_what_is_left(tmp_path):
 def test_the_engine_gets_the_pages_the_budget_sized(tmp_path):
   from jaxrl.rl.experience import build_sampler
 
-  cfg = smoke_config(tmp_path, memory={"device_gb": 0.006}, rl={"rollout": {"kv_fraction": 0.5}})
+  cfg = smoke_config(tmp_path, memory={"device_gb": 0.0075}, rl={"rollout": {"kv_fraction": 0.5}})
   run = Run.build(cfg)
   sampler = build_sampler(run)
   assert sampler.engine.num_pages == run.memory.kv_pages < 64 * 2  # fewer than every slot's

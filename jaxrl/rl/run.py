@@ -277,7 +277,10 @@ class Run:
   def checkpointer(self, phase: str) -> Checkpointer:
     ck = self.cfg.checkpoint
     return Checkpointer(
-      self.workdir / "checkpoints" / phase, max_to_keep=ck.max_to_keep, save_every=ck.every
+      self.workdir / "checkpoints" / phase,
+      max_to_keep=ck.max_to_keep,
+      save_every=ck.every,
+      async_save=ck.async_save,
     )
 
 
