@@ -54,6 +54,11 @@ EXECUTION = ["model.remat=full", "model.scan_layers=True"]
 # Checkpoints written before the next step: an asynchronous write's host copy of the state
 # (6.7 GiB at 0.6B) beside a step's working set does not fit 24 GiB (the run's estimate says so).
 CHECKPOINTS = ["checkpoint.async_save=False"]
+# Extra overrides to fit a smaller host (none by default). On the 2-core, 24 GiB VM a 0.6B full
+# fine-tune with float32 masters and AdamW is at the edge (docs/benchmarks.md, 2026-12-07): the
+# uninterrupted run finished at a 22.2 GiB peak RSS, its resumed twin and a run with
+# rl.kl.beta=0.0 and model.logits_chunk=256 were killed by the kernel in their first RL step.
+MEMORY: list[str] = []
 # Step counts and batch sizes: (full size, --smoke). Each is also a flag.
 SIZES = {
   "train_problems": (1000, 200),
@@ -289,6 +294,7 @@ def train_overrides(ckpt: Path, data: dict, sizes: dict, max_prompt_len: int, se
     *PRECISION,
     *EXECUTION,
     *CHECKPOINTS,
+    *MEMORY,
   ]
 
 
@@ -747,7 +753,7 @@ def main(argv=None) -> dict:
     "shape": ck.ARCHS[args.arch].smoke if args.smoke else ck.ARCHS[args.arch].full,
     "sizes": sizes,
     "precision": PRECISION,
-    "execution": EXECUTION + CHECKPOINTS,
+    "execution": EXECUTION + CHECKPOINTS + MEMORY,
     "config": CONFIG,
     "compilation_cache": env["JAX_COMPILATION_CACHE_DIR"],
     "workdir": str(work) if tmp is None or args.keep else None,
