@@ -29,7 +29,7 @@ def test_smoke_runs_every_phase_and_resumes_bit_identically(tmp_path):
   assert ckpt["model_class"] == "Qwen3ForCausalLM"
   assert len(ckpt["shards"]) >= 2 and ckpt["shard_dtypes"] == ["BF16"]
   assert ckpt["config"]["dtype"] == "bfloat16" and ckpt["config"]["tie_word_embeddings"]
-  assert ckpt["jaxrl_config"]["num_layers"] == 2 and ckpt["jaxrl_config"]["vocab_size"] == 600
+  assert ckpt["jaxrl_config"]["num_layers"] == 2 and ckpt["jaxrl_config"]["vocab_size"] == 2048
 
   # The tokenizer beside it: the chat template, and <|im_end|> ending SFT's demonstrations and
   # generation (with <|endoftext|> from generation_config.json), as jaxrl reads the directory.
@@ -39,7 +39,9 @@ def test_smoke_runs_every_phase_and_resumes_bit_identically(tmp_path):
   assert read["has_chat_template"] and read["example_prompt"].endswith("<|im_start|>assistant\n")
   assert read["sft_appends"] == "<|im_end|>" and read["stops_on_end_of_turn"]
   assert read["stop_tokens"] == ["<|im_end|>", "<|endoftext|>"]
-  assert tok["vocab_size"] <= 600
+  # The embedding is padded past the tokenizer, as real checkpoints are: the random policy
+  # draws those rows, and they decode to nothing.
+  assert tok["vocab_size"] < 2048
 
   # RL ran through the engine: groups of 4, 128 new tokens, bfloat16 compute over float32
   # masters, every step logged with its timings.
