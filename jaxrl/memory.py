@@ -128,9 +128,13 @@ def _per_device(model_cfg: ModelConfig, mesh, rules) -> tuple[dict, dict]:
 
 
 def _batch_shards(mesh, rules) -> int:
+  """Devices a batch's rows are split over: the product of the mesh axes "batch" maps to."""
   from jaxrl.mesh import named_sharding
 
-  return max(1, 4096 // named_sharding(mesh, ("batch",), rules).shard_shape((4096,))[0])
+  axes = named_sharding(mesh, ("batch",), rules).spec[0]
+  if axes is None:
+    return 1
+  return math.prod(mesh.shape[a] for a in ((axes,) if isinstance(axes, str) else axes))
 
 
 def _activations(model_cfg: ModelConfig, tokens: int, length: int) -> int:

@@ -89,6 +89,9 @@ def test_fsdp_over_eight_devices_divides_the_sharded_params(tmp_path):
   _, eight = _estimate(cfg, devices=8)
   # Most of the tiny model's bytes are matrices split 8 ways; norms are replicated.
   assert one.parts["params"] / 8 <= eight.parts["params"] < one.parts["params"] / 4
+  # A step's rows are split over the 8 devices too: 32 rows, 4 per device.
+  assert "32 x 14 tokens" in one.notes["activations"]
+  assert "4 x 14 tokens" in eight.notes["activations"]
 
 
 def test_budget_is_memory_device_gb_or_the_hosts_share(tmp_path):
