@@ -115,7 +115,10 @@ def test_a_config_that_cannot_fit_stops_before_any_weight(tmp_path, monkeypatch)
   for part in ("params", "gradients", "optimizer", "activations", "logits", "kv pages", "total"):
     assert part in msg
   assert "model.remat='full'" in msg and "model.logits_chunk" in msg
-  # memory.check=False runs it anyway (the build goes on to the weights).
+  # memory.check=False runs it anyway (the build goes on to the weights), and so does a run
+  # that only reads its weights (export, evaluation: no optimizer, no step).
+  with pytest.raises(AssertionError, match="weights built"):
+    Run.build(cfg, writes=False)
   cfg = smoke_config(tmp_path, memory={"device_gb": 0.001, "check": False})
   with pytest.raises(AssertionError, match="weights built"):
     Run.build(cfg)

@@ -161,7 +161,7 @@ class Run:
     if cfg.distill.enabled:
       teacher_cfg = components.teacher_config(cfg.distill.teacher, model_cfg)
     estimate = memory.estimate(cfg, model_cfg, mesh, rules, teacher_cfg=teacher_cfg)
-    if cfg.memory.check:
+    if cfg.memory.check and writes:  # a run that only reads its weights holds far less
       memory.check(estimate)
     if model_cfg.param_dtype != "float32" and (cfg.sft.steps or rl.steps):
       warnings.warn(
