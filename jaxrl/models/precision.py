@@ -55,7 +55,8 @@ class ComputeCast:
     flat = nnx.to_flat_state(params)
     picked = self._picked(flat)
     by_path = dict(flat)
-    rest = tuple(path for path, _ in flat if path not in set(picked)) if copy else ()
+    chosen = set(picked)
+    rest = tuple(path for path, _ in flat if path not in chosen) if copy else ()
     key = (picked, rest)
     if key not in self._jitted:
       target = self.target
